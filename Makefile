@@ -1,0 +1,37 @@
+# The README's commands. Everything installs from nothing into .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test lint format demo info bench-attention clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.lock setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: setup lint
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+# Until the training engine lands, the demo shows the model zoo and its complexity.
+demo: setup
+	@for f in configs/vit/*.yaml configs/pycls/*.yaml; do \
+		$(PY) tools/info_net.py --cfg $$f --summary || exit 1; done
+
+bench-attention: setup
+	$(PY) tools/bench_attention.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Training engine pieces: command-line handling, trainer, optimizer, precision, ..."""

@@ -1,0 +1,49 @@
+"""Shared command-line handling for tools/: config arguments and exit codes.
+
+Exit status: 0 on success, 2 for a user mistake (bad argument, bad config, missing
+file), 1 for a runtime failure. Errors are one line on stderr naming what is wrong.
+"""
+
+import argparse
+import sys
+
+from pycls_fast.config import ConfigError, load_cfg
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for (exit status 2)."""
+
+
+def config_parser(description):
+    """Returns an ArgumentParser with pycls's `--cfg FILE [KEY VALUE ...]` arguments."""
+    parser = argparse.ArgumentParser(
+        description=description,
+        epilog="KEY VALUE pairs override config keys, e.g. OPTIM.BASE_LR 0.001 "
+        "(see docs/CONFIG.md).",
+    )
+    parser.add_argument("--cfg", dest="cfg_file", required=True, help="config file")
+    parser.add_argument(
+        "opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ..."
+    )
+    return parser
+
+
+def cfg_from_args(args):
+    """Loads and checks the config named by parsed `args` (raises ConfigError)."""
+    return load_cfg(args.cfg_file, args.opts or [])
+
+
+def run(main):
+    """Runs `main()` and maps failures to one line on stderr and an exit status."""
+    try:
+        code = main()
+    except (ConfigError, UserError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - the last line of defence for tools
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(code or 0)

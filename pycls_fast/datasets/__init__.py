@@ -1,0 +1,1 @@
+"""Data: ImageNet folder index, transforms, threaded loader, process baseline."""

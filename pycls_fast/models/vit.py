@@ -1,0 +1,356 @@
+"""Vision Transformer with patchify or conv stem, token or pooled classifier.
+
+References:
+    https://arxiv.org/abs/2010.11929 (An Image is Worth 16x16 Words)
+    https://arxiv.org/abs/2106.14881 (Early Convolutions Help Transformers See Better)
+
+Parameter names follow pycls, so pycls ViT weights load as they are. Each module keeps
+its `complexity` beside its `forward`: change one, change the other.
+
+Layout: with `batch_first=False` (the default, 'batch_second') the encoder works on
+(seq, batch, hidden) tensors, otherwise on (batch, seq, hidden). Both give the same
+outputs for the same weights; the layout only changes which transposes are made.
+"""
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+from torch.nn import init
+
+from pycls_fast.models.attention import attend
+from pycls_fast.models.blocks import (
+    conv2d,
+    conv2d_cx,
+    drop_path,
+    layernorm,
+    layernorm_cx,
+    linear,
+    linear_cx,
+    norm2d,
+    norm2d_cx,
+    patchify2d,
+    patchify2d_cx,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTParams:
+    """Everything that defines a ViT; `from_cfg` reads it from a config."""
+
+    image_size: int = 224
+    patch_size: int = 16
+    stem_type: str = "patchify"
+    c_stem_kernels: tuple = ()
+    c_stem_strides: tuple = ()
+    c_stem_dims: tuple = ()
+    n_layers: int = 12
+    n_heads: int = 12
+    hidden_d: int = 768
+    mlp_d: int = 3072
+    cls_type: str = "token"
+    num_classes: int = 1000
+    ln_eps: float = 1e-5
+    bn_eps: float = 1e-5
+    bn_mom: float = 0.1
+    relu_inplace: bool = True
+    batch_first: bool = False
+    attention: str = "auto"
+    drop_path: float = 0.0
+
+    @staticmethod
+    def from_cfg(cfg):
+        """Reads the model parameters from a (checked) config."""
+        return ViTParams(
+            image_size=cfg.TRAIN.IM_SIZE,
+            patch_size=cfg.VIT.PATCH_SIZE,
+            stem_type=cfg.VIT.STEM_TYPE,
+            c_stem_kernels=tuple(cfg.VIT.C_STEM_KERNELS),
+            c_stem_strides=tuple(cfg.VIT.C_STEM_STRIDES),
+            c_stem_dims=tuple(cfg.VIT.C_STEM_DIMS),
+            n_layers=cfg.VIT.NUM_LAYERS,
+            n_heads=cfg.VIT.NUM_HEADS,
+            hidden_d=cfg.VIT.HIDDEN_DIM,
+            mlp_d=cfg.VIT.MLP_DIM,
+            cls_type=cfg.VIT.CLASSIFIER_TYPE,
+            num_classes=cfg.MODEL.NUM_CLASSES,
+            ln_eps=cfg.LN.EPS,
+            bn_eps=cfg.BN.EPS,
+            bn_mom=cfg.BN.MOM,
+            relu_inplace=cfg.MODEL.ACTIVATION_INPLACE,
+            batch_first=cfg.VIT.LAYOUT == "batch_first",
+            attention=cfg.VIT.ATTENTION,
+            drop_path=cfg.VIT.DROP_PATH,
+        )
+
+    @property
+    def seq_len(self):
+        """Number of tokens: patches, plus one for the class token."""
+        n = (self.image_size // self.patch_size) ** 2
+        return n + 1 if self.cls_type == "token" else n
+
+
+class ViTHead(nn.Module):
+    """Classifier: one fc layer."""
+
+    def __init__(self, w_in, num_classes):
+        super().__init__()
+        self.head_fc = linear(w_in, num_classes, bias=True)
+
+    def forward(self, x):
+        return self.head_fc(x)
+
+    @staticmethod
+    def complexity(cx, w_in, num_classes):
+        return linear_cx(cx, w_in, num_classes, bias=True)
+
+
+class MLPBlock(nn.Module):
+    """Transformer MLP block: fc, gelu, fc."""
+
+    def __init__(self, w_in, mlp_d):
+        super().__init__()
+        self.linear_1 = linear(w_in, mlp_d, bias=True)
+        self.af = nn.GELU()
+        self.linear_2 = linear(mlp_d, w_in, bias=True)
+
+    def forward(self, x):
+        return self.linear_2(self.af(self.linear_1(x)))
+
+    @staticmethod
+    def complexity(cx, w_in, mlp_d, seq_len):
+        cx = linear_cx(cx, w_in, mlp_d, bias=True, num_locations=seq_len)
+        return linear_cx(cx, mlp_d, w_in, bias=True, num_locations=seq_len)
+
+
+class MultiheadSelfAttention(nn.Module):
+    """Self-attention with a fused q/k/v projection, for either token layout."""
+
+    def __init__(self, hidden_d, n_heads, *, batch_first, attention="auto"):
+        super().__init__()
+        self.n_heads = n_heads
+        self.batch_first = batch_first
+        self.attention = attention
+        self.attn_proj = linear(hidden_d, 3 * hidden_d, bias=True)
+        self.out_proj = linear(hidden_d, hidden_d, bias=True)
+
+    def forward(self, x):
+        """x: (batch, seq, hidden) if batch_first else (seq, batch, hidden)."""
+        d0, d1, hidden_d = x.shape
+        qkv = self.attn_proj(x).view(d0, d1, 3, self.n_heads, hidden_d // self.n_heads)
+        # Both layouts gather q, k, v as (3, batch, heads, seq, head_d) for the kernel.
+        perm = (2, 0, 3, 1, 4) if self.batch_first else (2, 1, 3, 0, 4)
+        q, k, v = qkv.permute(perm).unbind(0)
+        out = attend(q, k, v, self.attention)
+        # (batch, heads, seq, head_d) -> the input layout
+        out = out.permute(0, 2, 1, 3) if self.batch_first else out.permute(2, 0, 1, 3)
+        return self.out_proj(out.reshape(d0, d1, hidden_d))
+
+    @staticmethod
+    def complexity(cx, hidden_d, n_heads, seq_len):
+        head_d = hidden_d // n_heads
+        # q, k, v = attn_proj(x)
+        cx = linear_cx(cx, hidden_d, 3 * hidden_d, bias=True, num_locations=seq_len)
+        # scores = q @ k^T, per head
+        cx["flops"] += n_heads * seq_len * head_d * seq_len
+        cx["acts"] += n_heads * seq_len * seq_len
+        # out = scores @ v, per head
+        cx["flops"] += n_heads * seq_len * seq_len * head_d
+        cx["acts"] += n_heads * seq_len * head_d
+        # out_proj(out)
+        return linear_cx(cx, hidden_d, hidden_d, bias=True, num_locations=seq_len)
+
+
+class ViTEncoderBlock(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, p, drop_path_prob=0.0):
+        super().__init__()
+        self.ln_1 = layernorm(p.hidden_d, p.ln_eps)
+        self.self_attention = MultiheadSelfAttention(
+            p.hidden_d, p.n_heads, batch_first=p.batch_first, attention=p.attention
+        )
+        self.ln_2 = layernorm(p.hidden_d, p.ln_eps)
+        self.mlp_block = MLPBlock(p.hidden_d, p.mlp_d)
+        self.drop_path_prob = drop_path_prob
+        self.batch_dim = 0 if p.batch_first else 1
+
+    def forward(self, x):
+        dp, bd = self.drop_path_prob, self.batch_dim
+        x = x + drop_path(self.self_attention(self.ln_1(x)), dp, self.training, bd)
+        return x + drop_path(self.mlp_block(self.ln_2(x)), dp, self.training, bd)
+
+    @staticmethod
+    def complexity(cx, hidden_d, n_heads, mlp_d, seq_len):
+        cx = layernorm_cx(cx, hidden_d)
+        cx = MultiheadSelfAttention.complexity(cx, hidden_d, n_heads, seq_len)
+        cx = layernorm_cx(cx, hidden_d)
+        return MLPBlock.complexity(cx, hidden_d, mlp_d, seq_len)
+
+
+class ViTEncoder(nn.Module):
+    """Encoder blocks, then the final LayerNorm."""
+
+    def __init__(self, p):
+        super().__init__()
+        for i in range(p.n_layers):
+            # Stochastic depth grows linearly to p.drop_path at the last block (timm).
+            rate = p.drop_path * i / max(p.n_layers - 1, 1)
+            self.add_module(f"block_{i}", ViTEncoderBlock(p, rate))
+        self.ln = layernorm(p.hidden_d, p.ln_eps)
+
+    def forward(self, x):
+        for block in self.children():
+            x = block(x)
+        return x
+
+    @staticmethod
+    def complexity(cx, n_layers, hidden_d, n_heads, mlp_d, seq_len):
+        for _ in range(n_layers):
+            cx = ViTEncoderBlock.complexity(cx, hidden_d, n_heads, mlp_d, seq_len)
+        return layernorm_cx(cx, hidden_d)
+
+
+class ViTStemPatchify(nn.Module):
+    """Patchify stem (https://arxiv.org/abs/2010.11929)."""
+
+    def __init__(self, w_in, w_out, k):
+        super().__init__()
+        self.patchify = patchify2d(w_in, w_out, k, bias=True)
+
+    def forward(self, x):
+        return self.patchify(x)
+
+    @staticmethod
+    def complexity(cx, w_in, w_out, k):
+        return patchify2d_cx(cx, w_in, w_out, k, bias=True)
+
+
+class ViTStemConv(nn.Module):
+    """Conv stem (https://arxiv.org/abs/2106.14881): 3x3 conv-BN-ReLU layers, then a
+    last conv (typically 1x1) to the hidden width."""
+
+    def __init__(self, w_in, ks, ws, ss, *, bn_eps=1e-5, bn_mom=0.1, inplace=True):
+        super().__init__()
+        for i, (k, w_out, stride) in enumerate(zip(ks, ws, ss)):
+            if i < len(ks) - 1:
+                self.add_module(f"cstem{i}_conv", conv2d(w_in, w_out, 3, stride=stride))
+                self.add_module(f"cstem{i}_bn", norm2d(w_out, bn_eps, bn_mom))
+                self.add_module(f"cstem{i}_af", nn.ReLU(inplace=inplace))
+            else:
+                last = conv2d(w_in, w_out, k, stride=stride, bias=True)
+                self.add_module("cstem_last_conv", last)
+            w_in = w_out
+
+    def forward(self, x):
+        for layer in self.children():
+            x = layer(x)
+        return x
+
+    @staticmethod
+    def complexity(cx, w_in, ks, ws, ss):
+        for i, (k, w_out, stride) in enumerate(zip(ks, ws, ss)):
+            if i < len(ks) - 1:
+                cx = conv2d_cx(cx, w_in, w_out, 3, stride=stride)
+                cx = norm2d_cx(cx, w_out)
+            else:
+                cx = conv2d_cx(cx, w_in, w_out, k, stride=stride, bias=True)
+            w_in = w_out
+        return cx
+
+
+class ViT(nn.Module):
+    """Vision transformer: stem, tokens (+ class token) + positions, encoder, head.
+
+    forward: images (batch, 3, image_size, image_size), float -> logits
+    (batch, num_classes), in the compute dtype.
+    """
+
+    def __init__(self, p: ViTParams):
+        super().__init__()
+        self.params = p
+        self.batch_first = p.batch_first
+        if p.stem_type == "patchify":
+            self.stem = ViTStemPatchify(3, p.hidden_d, p.patch_size)
+        else:
+            self.stem = ViTStemConv(
+                3,
+                p.c_stem_kernels,
+                p.c_stem_dims,
+                p.c_stem_strides,
+                bn_eps=p.bn_eps,
+                bn_mom=p.bn_mom,
+                inplace=p.relu_inplace,
+            )
+        if p.cls_type == "token":
+            self.class_token = nn.Parameter(torch.zeros(1, 1, p.hidden_d))
+        else:
+            self.class_token = None
+        # Stored (1, seq, hidden) in both layouts, so checkpoints do not depend on it.
+        self.pos_embedding = nn.Parameter(torch.zeros(1, p.seq_len, p.hidden_d))
+        self.encoder = ViTEncoder(p)
+        self.head = ViTHead(p.hidden_d, p.num_classes)
+        init_weights_vit(self)
+
+    def forward(self, x):
+        # (n, c, h, w) -> (n, hidden_d, n_h, n_w) -> (n, hidden_d, n_h * n_w)
+        x = self.stem(x).flatten(2)
+        if self.batch_first:
+            x = x.transpose(1, 2)  # (n, seq, hidden_d)
+            if self.class_token is not None:
+                x = torch.cat([self.class_token.expand(x.size(0), -1, -1), x], dim=1)
+            x = self.encoder(x + self.pos_embedding)
+            x = x[:, 0] if self.class_token is not None else x.mean(dim=1)
+        else:
+            x = x.permute(2, 0, 1)  # (seq, n, hidden_d)
+            if self.class_token is not None:
+                x = torch.cat([self.class_token.expand(-1, x.size(1), -1), x], dim=0)
+            x = self.encoder(x + self.pos_embedding.transpose(0, 1))
+            x = x[0] if self.class_token is not None else x.mean(dim=0)
+        return self.head(x)
+
+    @staticmethod
+    def complexity(p: ViTParams):
+        """Returns {params, flops, acts} of the model (pycls conventions)."""
+        cx = {"h": p.image_size, "w": p.image_size, "flops": 0, "params": 0, "acts": 0}
+        if p.stem_type == "patchify":
+            cx = ViTStemPatchify.complexity(cx, 3, p.hidden_d, p.patch_size)
+        else:
+            ks, ws, ss = p.c_stem_kernels, p.c_stem_dims, p.c_stem_strides
+            cx = ViTStemConv.complexity(cx, 3, ks, ws, ss)
+        if p.cls_type == "token":
+            cx["params"] += p.hidden_d
+        cx["params"] += p.seq_len * p.hidden_d  # position embeddings
+        cx = ViTEncoder.complexity(
+            cx, p.n_layers, p.hidden_d, p.n_heads, p.mlp_d, p.seq_len
+        )
+        cx = ViTHead.complexity(cx, p.hidden_d, p.num_classes)
+        return {"params": cx["params"], "flops": cx["flops"], "acts": cx["acts"]}
+
+
+def init_weights_vit(model):
+    """pycls's ViT weight init."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Conv2d):
+            if "patchify" in name:
+                fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
+                init.trunc_normal_(m.weight, std=math.sqrt(1.0 / fan_in))
+                init.zeros_(m.bias)
+            elif "cstem_last" in name:
+                init.normal_(m.weight, mean=0.0, std=math.sqrt(2.0 / m.out_channels))
+                init.zeros_(m.bias)
+            # Other conv-stem convs keep torch's default init (as pycls).
+        elif isinstance(m, nn.Linear):
+            if name.endswith("attn_proj"):
+                init.xavier_uniform_(m.weight)
+                init.zeros_(m.bias)
+            elif name.endswith("out_proj"):
+                init.zeros_(m.bias)  # torch's default weight init (as pycls)
+            elif "mlp_block" in name:
+                init.xavier_uniform_(m.weight)
+                init.normal_(m.bias, std=1e-6)
+            elif name.endswith("head_fc"):
+                init.zeros_(m.weight)
+                init.zeros_(m.bias)
+    init.normal_(model.pos_embedding, mean=0.0, std=0.02)

@@ -1,0 +1,30 @@
+"""pycls_fast: fast Vision Transformer training on ImageNet-style data."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="pycls_fast",
+    version="0.1.0",
+    description="Fast ViT training in the style of pycls: AMP modes, FSDP, MTA "
+    "optimizers, pooled classifier, batch-second layout, threaded data loading",
+    packages=find_packages(include=["pycls_fast", "pycls_fast.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # Ranges, so that GPU boxes keep their CUDA build of torch.
+        "torch>=2.6",
+        "torchvision>=0.21",
+        "timm>=1.0,<2",
+        "spdl>=0.1",
+        "yacs>=0.1.8",
+        "iopath>=0.1.9",
+        "numpy>=1.24",
+        "pillow>=10",
+        "pyyaml>=6",
+        "psutil>=5.9",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "pytest-timeout>=2", "ruff>=0.6", "scikit-learn>=1.3"],
+    },
+)
