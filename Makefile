@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint format demo info bench-attention clean
+.PHONY: setup test test-slow lint format demo bench-attention bench-loader clean
 
 setup: $(STAMP)
 
@@ -30,8 +30,15 @@ demo: setup
 	@for f in configs/vit/*.yaml configs/pycls/*.yaml; do \
 		$(PY) tools/info_net.py --cfg $$f --summary || exit 1; done
 
+# Scenario tests marked slow (also part of `make test`), alone.
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
 bench-attention: setup
 	$(PY) tools/bench_attention.py
+
+bench-loader: setup
+	$(PY) tools/bench_loader.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
