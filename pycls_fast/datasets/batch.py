@@ -1,0 +1,80 @@
+"""The per-image work of both loader modes, and batch assembly into uint8 tensors.
+
+Each image gets its own `random.Random` seeded from (seed, epoch, image index), so crops
+and flips do not depend on which thread or process decodes the image, nor on the order:
+the threaded and the process loader yield identical batches.
+"""
+
+import random
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from pycls_fast.datasets.decode import DECODE_ERRORS, open_image
+
+
+class Batch(NamedTuple):
+    """`images`: uint8 (B, 3, H, W), channels-last in memory (a permuted NHWC buffer,
+    so no transpose on the host); `labels`: int64 (B,); `bad`: [(path, error)] of the
+    images skipped in this batch (B is smaller by that many)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    bad: list
+
+
+def image_seed(seed, epoch, index):
+    """The integer seed of image `index` in `epoch` (distinct for distinct triples)."""
+    return ((seed * 1_000_003 + epoch) << 32) + int(index)
+
+
+class ImageDecoder:
+    """Decodes and transforms images of a FileIndex; picklable for worker processes."""
+
+    def __init__(self, index, transform, im_size, seed, pin_memory=False):
+        self.index = index
+        self.transform = transform
+        self.shape = (im_size, im_size, 3)
+        self.seed = seed
+        # Batches allocated in pinned memory copy to a GPU asynchronously, with no
+        # extra host copy (only set when CUDA is present).
+        self.pin_memory = pin_memory
+
+    def load(self, i, epoch):
+        """Returns image `i` as a uint8 (H, W, 3) array, or (path, error) if the file
+        cannot be decoded."""
+        path = self.index.path(i)
+        try:
+            with open_image(path) as im:
+                out = self.transform(im, random.Random(image_seed(self.seed, epoch, i)))
+                arr = np.asarray(out)
+        except DECODE_ERRORS as e:
+            return path, f"{type(e).__name__}: {e}"
+        if arr.shape != self.shape:  # A transform bug, not a bad file.
+            raise RuntimeError(f"{path}: transform returned {arr.shape}")
+        return arr
+
+    def load_batch(self, indices, epoch):
+        """Decodes `indices` (int array) into one Batch, skipping bad images.
+
+        Writes each image straight into one preallocated (B, H, W, 3) buffer.
+        """
+        shape = (len(indices), *self.shape)
+        images = torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin_memory)
+        buf = images.numpy()
+        keep, bad = [], []
+        for i in indices:
+            out = self.load(i, epoch)
+            if isinstance(out, tuple):
+                bad.append(out)
+                continue
+            buf[len(keep)] = out
+            keep.append(i)
+        return make_batch(images[: len(keep)], self.index.labels[keep], bad)
+
+
+def make_batch(images_nhwc, labels, bad):
+    """Wraps a uint8 (B, H, W, 3) array or tensor and labels into a Batch (no copy)."""
+    images = torch.as_tensor(images_nhwc).permute(0, 3, 1, 2)
+    return Batch(images, torch.from_numpy(np.asarray(labels, dtype=np.int64)), bad)

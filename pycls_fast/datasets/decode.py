@@ -1,0 +1,73 @@
+"""Image decoding with Pillow: reduced-size JPEG decoding, RGB conversion, bad files.
+
+Pillow releases the GIL while it decodes and resizes, so several loader threads decode
+in parallel. For JPEGs, `Image.draft` makes libjpeg scale by 1/2, 1/4 or 1/8 during the
+inverse DCT, which skips most of the decoding work when the output is much smaller than
+the file. (spdl's own decoders, `spdl.io`, need FFmpeg shared libraries that a plain pip
+install does not bring, so they are not used here.)
+"""
+
+import math
+
+from PIL import Image, UnidentifiedImageError
+
+# What Pillow raises for corrupt, truncated or unsupported files. DecompressionBombError
+# (a decompression-bomb guard) subclasses Exception, not OSError.
+DECODE_ERRORS = (
+    OSError,
+    ValueError,
+    SyntaxError,
+    UnidentifiedImageError,
+    Image.DecompressionBombError,
+)
+
+
+def open_image(path):
+    """Opens `path` lazily (reads the header only); returns a PIL Image."""
+    return Image.open(path)
+
+
+def draft_for(im, box, out_size):
+    """Lets a JPEG decode at 1/2, 1/4 or 1/8 scale when the crop stays >= `out_size`.
+
+    `box` = (left, top, right, bottom) in the full-size image; returns the box in the
+    coordinates of the (possibly reduced) image that decoding will produce.
+    """
+    if im.format != "JPEG":
+        return box
+    w, h = im.size
+    crop_w, crop_h = box[2] - box[0], box[3] - box[1]
+    # Pillow picks the largest scale that keeps the decoded size >= the requested size,
+    # so requesting full_size * out/crop keeps the crop >= out_size pixels wide.
+    want = (
+        math.ceil(w * out_size[0] / max(crop_w, 1e-6)),
+        math.ceil(h * out_size[1] / max(crop_h, 1e-6)),
+    )
+    if want[0] * 2 > w or want[1] * 2 > h:
+        return box  # No reduction possible; skip draft's bookkeeping.
+    im.draft("RGB", want)
+    sx, sy = im.size[0] / w, im.size[1] / h
+    return (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+
+
+def to_rgb(im):
+    """Returns `im` as RGB: grayscale, palette, CMYK and alpha images are converted
+    (alpha is dropped, as OpenCV's imread does for pycls)."""
+    if im.mode == "RGB":
+        return im
+    if im.mode == "P" and "transparency" in im.info:
+        im = im.convert("RGBA")  # Avoids Pillow's warning on palette transparency.
+    if im.mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16-bit grayscale PNG: keep the top 8 bits, not a clipped copy of the low ones.
+        im = im.point(lambda v: v / 256).convert("L")
+    return im.convert("RGB")
+
+
+def crop_resize(im, box, out_size):
+    """Decodes `im`, crops `box` and resizes it to `out_size` = (w, h) in one call.
+
+    Uses a JPEG draft when it keeps enough pixels; returns an RGB PIL Image.
+    """
+    box = draft_for(im, box, out_size)
+    im = to_rgb(im)
+    return im.resize(out_size, Image.BILINEAR, box=box)

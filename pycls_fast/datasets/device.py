@@ -1,0 +1,169 @@
+"""Device-side batch preparation: copy, normalize, PCA lighting, mixup / cutmix, labels.
+
+Batches travel as uint8 (4x less to copy than float32) and become floats on the device,
+in the training dtype:
+
+    prepare = DeviceBatchTransform(cfg, device, torch.bfloat16, train=True)
+    for images, labels in loader:
+        inputs, targets = prepare(images, labels)   # float (B, 3, H, W), targets
+
+The pieces are plain functions too: `to_device`, `normalize`, `pca_lighting_offsets`,
+`one_hot`, `mix_batch`.
+"""
+
+import math
+
+import numpy as np
+import torch
+
+# pycls's ImageNet statistics, in RGB order, in [0, 1] units.
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+# AlexNet PCA lighting: eigenvalues and eigenvectors (columns) of the RGB covariance.
+EIG_VALS = (0.2175, 0.0188, 0.0045)
+EIG_VECS = (
+    (-0.5675, 0.7192, 0.4009),
+    (-0.5808, -0.0045, -0.8140),
+    (-0.5836, -0.6948, 0.4203),
+)
+
+
+def to_device(images, labels, device, pin_memory=True):
+    """Copies a host batch to `device`; returns (images, labels), still uint8 / int64.
+
+    On CUDA the copies are non-blocking from pinned memory (pinned here unless the
+    loader already allocated the batch pinned), so they overlap with compute.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return images.to(device), labels.to(device)
+    if pin_memory and not images.is_pinned():
+        images, labels = images.pin_memory(), labels.pin_memory()
+    return (
+        images.to(device, non_blocking=True),
+        labels.to(device, non_blocking=True),
+    )
+
+
+def normalize(images, mean=MEAN, std=STD, dtype=torch.float32, offsets=None):
+    """Returns (images / 255 + offsets - mean) / std as `dtype`, on images' device.
+
+    `images`: uint8 (B, 3, H, W); `mean`, `std`: 3 values in [0, 1] units;
+    `offsets`: optional float (B, 3) per-image colour shift in [0, 1] units (PCA
+    lighting). Computed in float32 and rounded once to `dtype`; the memory format
+    (channels-last) is kept.
+    """
+    dev = images.device
+    std_t = torch.tensor(std, dtype=torch.float32, device=dev)
+    scale = (1.0 / (255.0 * std_t)).view(1, 3, 1, 1)
+    shift = -torch.tensor(mean, dtype=torch.float32, device=dev)
+    shift = shift.view(1, 3) if offsets is None else shift + offsets.float()
+    bias = (shift / std_t).view(-1, 3, 1, 1)
+    return torch.addcmul(bias, images.float(), scale).to(dtype)
+
+
+def pca_lighting_offsets(batch_size, alpha_std, generator=None, device="cpu"):
+    """Returns float32 (B, 3) AlexNet-style PCA lighting shifts, in [0, 1] RGB units.
+
+    Per image: eig_vecs @ (alpha * eig_vals) with alpha ~ N(0, alpha_std) (pycls's
+    `lighting`, added to the [0, 1] image before normalization).
+    """
+    alpha = torch.randn(batch_size, 3, generator=generator) * alpha_std
+    vecs = torch.tensor(EIG_VECS, dtype=torch.float32)
+    vals = torch.tensor(EIG_VALS, dtype=torch.float32)
+    return ((alpha * vals) @ vecs.T).to(device)
+
+
+def one_hot(labels, num_classes, smoothing=0.0):
+    """Returns float32 (B, num_classes) targets: 1 - smoothing + smoothing / n on the
+    label, smoothing / n elsewhere (pycls's smooth_one_hot_labels)."""
+    off = smoothing / num_classes
+    out = torch.full((len(labels), num_classes), off, device=labels.device)
+    return out.scatter_(1, labels.view(-1, 1), 1.0 - smoothing + off)
+
+
+def cutmix_box(height, width, lam, rng):
+    """Returns (top, bottom, left, right) of a box of about (1 - lam) of the area,
+    centred uniformly at random and clipped to the image (timm's rand_bbox)."""
+    ratio = math.sqrt(1.0 - lam)
+    cut_h, cut_w = int(height * ratio), int(width * ratio)
+    cy, cx = int(rng.integers(height)), int(rng.integers(width))
+    top, bottom = max(cy - cut_h // 2, 0), min(cy + cut_h // 2, height)
+    left, right = max(cx - cut_w // 2, 0), min(cx + cut_w // 2, width)
+    return top, bottom, left, right
+
+
+def mix_batch(images, targets, mixup_alpha, cutmix_alpha, rng):
+    """Mixes each image with the image at the mirrored batch position (timm's 'batch'
+    mode: partner of i is B-1-i) and its soft target with the same weight.
+
+    `images`: float (B, 3, H, W); `targets`: float (B, n); `rng`: numpy Generator.
+    Mixup: lam ~ Beta(mixup_alpha); images = lam * x + (1 - lam) * partner. CutMix:
+    lam ~ Beta(cutmix_alpha), a box of about 1 - lam of the area is pasted from the
+    partner, and lam is corrected to the exact pasted area. With both alphas > 0, one
+    of the two is picked per batch with probability 1/2. Returns (images, targets, lam).
+    """
+    use_cutmix = cutmix_alpha > 0 and (mixup_alpha <= 0 or rng.random() < 0.5)
+    if use_cutmix:
+        lam = float(rng.beta(cutmix_alpha, cutmix_alpha))
+        h, w = images.shape[-2:]
+        top, bottom, left, right = cutmix_box(h, w, lam, rng)
+        images = images.clone()
+        images[:, :, top:bottom, left:right] = images.flip(0)[
+            :, :, top:bottom, left:right
+        ]
+        lam = 1.0 - (bottom - top) * (right - left) / (h * w)
+    elif mixup_alpha > 0:
+        lam = float(rng.beta(mixup_alpha, mixup_alpha))
+        images = images * lam + images.flip(0) * (1.0 - lam)
+    else:
+        return images, targets, 1.0
+    targets = targets * lam + targets.flip(0) * (1.0 - lam)
+    return images, targets, lam
+
+
+class DeviceBatchTransform:
+    """Turns a host batch into model inputs and loss targets on `device`.
+
+    Train: uint8 -> device -> PCA lighting (TRAIN.PCA_STD) + normalize in `dtype` ->
+    mixup / cutmix (TRAIN.MIXUP_ALPHA, TRAIN.CUTMIX_ALPHA) with label smoothing
+    (TRAIN.LABEL_SMOOTHING). Targets are float32 (B, MODEL.NUM_CLASSES) probabilities
+    when any of those three is on, else the int64 (B,) labels; both are accepted by
+    torch's cross_entropy. Test: normalize only; targets are the labels.
+    Random draws come from generators seeded with RNG_SEED (and `rank`).
+    """
+
+    def __init__(self, cfg, device, dtype=torch.float32, train=True, rank=0):
+        self.device = device
+        self.dtype = dtype
+        self.train = train
+        self.pin_memory = cfg.DATA_LOADER.PIN_MEMORY
+        self.pca_std = cfg.TRAIN.PCA_STD
+        self.mixup_alpha = cfg.TRAIN.MIXUP_ALPHA
+        self.cutmix_alpha = cfg.TRAIN.CUTMIX_ALPHA
+        self.smoothing = cfg.TRAIN.LABEL_SMOOTHING
+        self.num_classes = cfg.MODEL.NUM_CLASSES
+        seed = [cfg.RNG_SEED, rank]
+        self.rng = np.random.default_rng(seed)
+        self.generator = torch.Generator().manual_seed(int(self.rng.integers(2**62)))
+
+    def __call__(self, images, labels):
+        """`images`: uint8 (B, 3, H, W), `labels`: int64 (B,) on the host; returns
+        (inputs `dtype` (B, 3, H, W), targets) on the device."""
+        images, labels = to_device(images, labels, self.device, self.pin_memory)
+        if not self.train:
+            return normalize(images, dtype=self.dtype), labels
+        offsets = None
+        if self.pca_std > 0:
+            offsets = pca_lighting_offsets(
+                len(labels), self.pca_std, self.generator, images.device
+            )
+        inputs = normalize(images, dtype=self.dtype, offsets=offsets)
+        mixing = self.mixup_alpha > 0 or self.cutmix_alpha > 0
+        if not mixing and self.smoothing == 0:
+            return inputs, labels
+        targets = one_hot(labels, self.num_classes, self.smoothing)
+        inputs, targets, _ = mix_batch(
+            inputs, targets, self.mixup_alpha, self.cutmix_alpha, self.rng
+        )
+        return inputs, targets

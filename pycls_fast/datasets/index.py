@@ -1,0 +1,139 @@
+"""File index of an ImageNet-layout folder (`<root>/<split>/<class>/<image>`), cached.
+
+Classes are the sub-folders of the split, sorted by name (WordNet ids such as
+`n01440764` sort into ImageNet's usual label order); images are the files with an image
+extension, sorted by name. Paths are kept as one numpy bytes array (not a list of
+Python strings): 1.28M ImageNet paths take ~40 MB, and forked DataLoader workers do not
+copy them page by page as they touch reference counts.
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from pycls_fast.core.cli import UserError
+
+IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
+
+# Bump when the cache file format changes.
+_CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FileIndex:
+    """The images of one split.
+
+    `split_dir`: absolute path of the split folder; `classes`: sorted folder names;
+    `paths`: numpy bytes array (N,) of paths relative to `split_dir`;
+    `labels`: int64 array (N,), index into `classes`.
+    """
+
+    split_dir: str
+    classes: list
+    paths: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self):
+        return len(self.labels)
+
+    def path(self, i):
+        """Returns the absolute path (str) of image `i`."""
+        return os.path.join(self.split_dir, self.paths[i].decode())
+
+
+def _class_dirs(split_dir):
+    if not os.path.isdir(split_dir):
+        raise UserError(f"dataset split folder not found: {split_dir}")
+    with os.scandir(split_dir) as it:
+        classes = sorted(
+            e.name for e in it if e.is_dir() and not e.name.startswith(".")
+        )
+    if not classes:
+        raise UserError(
+            f"no class folders in {split_dir} (expected <split>/<class>/<image>)"
+        )
+    return classes
+
+
+def scan_split(split_dir):
+    """Scans `split_dir` and returns its FileIndex; UserError on a bad layout."""
+    split_dir = os.path.abspath(split_dir)
+    classes = _class_dirs(split_dir)
+    paths, labels = [], []
+    for label, name in enumerate(classes):
+        class_dir = os.path.join(split_dir, name)
+        with os.scandir(class_dir) as it:
+            files = sorted(
+                e.name
+                for e in it
+                if e.name.lower().endswith(IMAGE_EXTENSIONS) and e.is_file()
+            )
+        if not files:
+            raise UserError(
+                f"class folder has no images (.JPEG/.jpg/.png): {class_dir}"
+            )
+        paths.extend(f"{name}/{f}" for f in files)
+        labels.extend([label] * len(files))
+    return FileIndex(
+        split_dir,
+        classes,
+        np.array(paths, dtype=np.bytes_),
+        np.array(labels, dtype=np.int64),
+    )
+
+
+def _fingerprint(split_dir, classes):
+    """Modification times of the split and class folders: adding, removing or renaming
+    an image changes its folder's mtime, which invalidates the cache."""
+    mtimes = [os.stat(split_dir).st_mtime_ns]
+    mtimes += [os.stat(os.path.join(split_dir, c)).st_mtime_ns for c in classes]
+    return hashlib.sha1(json.dumps(mtimes).encode()).hexdigest()
+
+
+def _cache_file(cache_dir, split_dir):
+    key = hashlib.sha1(split_dir.encode()).hexdigest()[:16]
+    return os.path.join(cache_dir, f"index_{os.path.basename(split_dir)}_{key}.npz")
+
+
+def load_index(root, split, cache_dir=None):
+    """Returns the FileIndex of `root/split`, read from `cache_dir` when still valid.
+
+    With `cache_dir` set, a fresh scan is written there (atomically) for the next run;
+    the cache is keyed by the split folder's absolute path and invalidated when any
+    class folder (or the split folder) changes.
+    """
+    if not root:
+        raise UserError("DATA.PATH is not set (the dataset root folder)")
+    if not os.path.isdir(root):
+        raise UserError(f"DATA.PATH folder not found: {root}")
+    split_dir = os.path.abspath(os.path.join(root, split))
+    if not cache_dir:
+        return scan_split(split_dir)
+    classes = _class_dirs(split_dir)
+    fingerprint = _fingerprint(split_dir, classes)
+    path = _cache_file(cache_dir, split_dir)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            if meta == {"version": _CACHE_VERSION, "fingerprint": fingerprint}:
+                return FileIndex(
+                    split_dir, list(z["classes"].astype(str)), z["paths"], z["labels"]
+                )
+    except (OSError, KeyError, ValueError):
+        pass  # No cache yet, or an unreadable one: rescan.
+    index = scan_split(split_dir)
+    os.makedirs(cache_dir, exist_ok=True)
+    meta = json.dumps({"version": _CACHE_VERSION, "fingerprint": fingerprint})
+    tmp = f"{path}.{os.getpid()}.tmp.npz"
+    np.savez(
+        tmp,
+        meta=np.array(meta),
+        classes=np.array(index.classes),
+        paths=index.paths,
+        labels=index.labels,
+    )
+    os.replace(tmp, path)
+    return index

@@ -1,0 +1,219 @@
+"""Loader constructors: `construct_train_loader(cfg)` and `construct_test_loader(cfg)`.
+
+A loader yields `(images, labels)` for this process's rank: images uint8 (B, 3, H, W)
+(channels-last in memory), labels int64 (B,). Normalization, PCA lighting, mixup /
+cutmix and label smoothing run on the device: pycls_fast/datasets/device.py.
+
+    loader = construct_train_loader(cfg)
+    for epoch in range(start, cfg.OPTIM.MAX_EPOCH):
+        loader.set_epoch(epoch)
+        for images, labels in loader:   # len(loader) batches
+            ...
+        stats = loader.stats()          # data_wait_frac, img_per_s, bad_images, ...
+"""
+
+import logging
+import os
+import time
+
+import torch
+
+from pycls_fast.config import ConfigError
+from pycls_fast.core.cli import UserError
+from pycls_fast.datasets import sharding
+from pycls_fast.datasets.batch import ImageDecoder
+from pycls_fast.datasets.index import load_index
+from pycls_fast.datasets.processes import iterate_processes
+from pycls_fast.datasets.threaded import iterate_threaded
+from pycls_fast.datasets.transforms import build_transform
+
+logger = logging.getLogger(__name__)
+
+
+class BadImagesError(UserError):
+    """More images failed to decode than DATA_LOADER.MAX_BAD_FRAC allows."""
+
+
+class ImageLoader:
+    """Iterable of (images, labels) batches of one rank, one epoch per iteration.
+
+    `plan(epoch)` returns the epoch's batches as index arrays; `mode` is 'threads' or
+    'processes'. A bad image is skipped (its batch is one smaller), logged with its
+    path and counted; more than `max_bad_frac` of the epoch's images aborts the epoch
+    with BadImagesError.
+    """
+
+    def __init__(
+        self, decoder, plan, mode, num_workers, prefetch, max_bad_frac, stats_period=0
+    ):
+        self.decoder = decoder
+        self.plan = plan
+        self.mode = mode
+        self.num_workers = num_workers
+        self.prefetch = prefetch
+        self.max_bad_frac = max_bad_frac
+        self.stats_period = stats_period
+        self.epoch = 0
+        self.bad_images = []
+        self._stats = {}
+
+    def set_epoch(self, epoch):
+        """Selects the shuffle (and crop seeds) of `epoch`: deterministic per
+        (RNG_SEED, epoch), identical across runs and loader modes."""
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.plan(self.epoch))
+
+    def _batches(self, batches):
+        if self.num_workers == 0:  # Debugging: decode in the calling thread.
+            return (self.decoder.load_batch(b, self.epoch) for b in batches)
+        if self.mode == "processes":
+            return iterate_processes(
+                self.decoder, batches, self.epoch, self.num_workers, self.prefetch
+            )
+        return iterate_threaded(
+            self.decoder,
+            batches,
+            self.epoch,
+            self.num_workers,
+            self.prefetch,
+            self.stats_period,
+        )
+
+    def __iter__(self):
+        batches = self.plan(self.epoch)
+        budget = self.max_bad_frac * sum(len(b) for b in batches)
+        self.bad_images = []
+        wait, images, start = 0.0, 0, time.perf_counter()
+        self._stats = {}
+        stream = self._batches(batches)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    batch = next(stream)
+                except StopIteration:
+                    break
+                wait += time.perf_counter() - t0
+                images += len(batch.labels)
+                self._record_bad(batch.bad, budget)
+                elapsed = time.perf_counter() - start
+                self._stats = {
+                    "data_wait_frac": wait / elapsed if elapsed > 0 else 0.0,
+                    "data_wait_s": wait,
+                    "img_per_s": images / elapsed if elapsed > 0 else 0.0,
+                    "images": images,
+                    "bad_images": len(self.bad_images),
+                }
+                yield batch.images, batch.labels
+        finally:
+            if hasattr(stream, "close"):
+                stream.close()  # Stops the threads or workers on early exit.
+
+    def _record_bad(self, bad, budget):
+        for path, error in bad:
+            logger.warning("skipped bad image %s (%s)", path, error)
+        self.bad_images.extend(bad)
+        if len(self.bad_images) > budget:
+            raise BadImagesError(
+                f"{len(self.bad_images)} images failed to decode in epoch "
+                f"{self.epoch}, "
+                f"more than DATA_LOADER.MAX_BAD_FRAC ({self.max_bad_frac}) allows; "
+                f"first: {self.bad_images[0][0]}"
+            )
+
+    def stats(self):
+        """Returns the statistics of the current (or last) epoch so far.
+
+        `data_wait_frac`: time the consumer spent blocked waiting for a batch, over
+        the time since the epoch started; `data_wait_s`; `img_per_s`: images yielded
+        per second of wall time; `images`; `bad_images`: images skipped.
+        """
+        return dict(self._stats)
+
+
+def _index(cfg, split):
+    cache = os.path.join(cfg.OUT_DIR, "data_index") if cfg.DATA.INDEX_CACHE else None
+    index = load_index(cfg.DATA.PATH, split, cache)
+    if len(index.classes) > cfg.MODEL.NUM_CLASSES:
+        raise ConfigError(
+            f"MODEL.NUM_CLASSES ({cfg.MODEL.NUM_CLASSES}) is smaller than the "
+            f"{len(index.classes)} class folders in {index.split_dir}"
+        )
+    return index
+
+
+def _per_rank(cfg, key, world_size):
+    total = cfg.TRAIN.BATCH_SIZE if key == "TRAIN.BATCH_SIZE" else cfg.TEST.BATCH_SIZE
+    if total % world_size:
+        raise ConfigError(
+            f"{key} ({total}) must be divisible by the {world_size} ranks"
+        )
+    return total // world_size
+
+
+def _loader(cfg, index, train, plan):
+    decoder = ImageDecoder(
+        index,
+        build_transform(cfg, train),
+        cfg.TRAIN.IM_SIZE,
+        cfg.RNG_SEED,
+        pin_memory=cfg.DATA_LOADER.PIN_MEMORY and torch.cuda.is_available(),
+    )
+    return ImageLoader(
+        decoder,
+        plan,
+        cfg.DATA_LOADER.MODE,
+        cfg.DATA_LOADER.NUM_WORKERS,
+        cfg.DATA_LOADER.PREFETCH,
+        cfg.DATA_LOADER.MAX_BAD_FRAC,
+        cfg.DATA_LOADER.STATS_PERIOD,
+    )
+
+
+def construct_train_loader(cfg, rank=None, world_size=None):
+    """Returns the train ImageLoader of this rank over DATA.PATH/TRAIN.SPLIT.
+
+    Each rank reads a disjoint shard of a (RNG_SEED, epoch) permutation, in batches of
+    TRAIN.BATCH_SIZE / world_size, the same number of full batches on every rank.
+    `rank`, `world_size`: override torch.distributed's (e.g. to simulate ranks).
+    """
+    rank, world_size = sharding.rank_and_world_size(rank, world_size)
+    index = _index(cfg, cfg.TRAIN.SPLIT)
+    batch_size = _per_rank(cfg, "TRAIN.BATCH_SIZE", world_size)
+    if len(index) // world_size < batch_size:
+        raise UserError(
+            f"{index.split_dir} has {len(index)} images, fewer than one batch of "
+            f"{batch_size} per rank (TRAIN.BATCH_SIZE {cfg.TRAIN.BATCH_SIZE})"
+        )
+
+    def plan(epoch):
+        return sharding.train_batches(
+            len(index), batch_size, cfg.RNG_SEED, epoch, rank, world_size
+        )
+
+    return _loader(cfg, index, True, plan)
+
+
+def construct_test_loader(cfg, rank=None, world_size=None):
+    """Returns the test ImageLoader of this rank over DATA.PATH/TEST.SPLIT.
+
+    No shuffling; the ranks' shards cover every image exactly once (the last batch may
+    be partial, and ranks may differ by one batch). Class folders must match the train
+    split's when both exist, so that labels mean the same.
+    """
+    rank, world_size = sharding.rank_and_world_size(rank, world_size)
+    index = _index(cfg, cfg.TEST.SPLIT)
+    train_dir = os.path.join(cfg.DATA.PATH, cfg.TRAIN.SPLIT)
+    if cfg.TRAIN.SPLIT != cfg.TEST.SPLIT and os.path.isdir(train_dir):
+        train_classes = sorted(
+            e.name for e in os.scandir(train_dir) if e.is_dir() and e.name[0] != "."
+        )
+        if train_classes != index.classes:
+            raise UserError(
+                f"class folders of {index.split_dir} differ from those of {train_dir}"
+            )
+    batch_size = _per_rank(cfg, "TEST.BATCH_SIZE", world_size)
+    batches = sharding.test_batches(len(index), batch_size, rank, world_size)
+    return _loader(cfg, index, False, lambda epoch: batches)

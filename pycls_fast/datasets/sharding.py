@@ -1,0 +1,46 @@
+"""Which images each rank reads, in which order, per epoch.
+
+Train: every rank draws the same permutation from (seed, epoch), takes every
+world_size-th image from its rank on, and drops the tail so that every rank yields the
+same number of full batches (pycls drops the last partial train batch too).
+Test: the images are split between ranks without shuffling, padding or dropping, so
+each image is evaluated exactly once across ranks; the last batch may be partial.
+"""
+
+import numpy as np
+
+
+def rank_and_world_size(rank=None, world_size=None):
+    """Returns (rank, world_size): the arguments when given, else torch.distributed's
+    when it is initialized, else (0, 1)."""
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def train_batches(num_images, batch_size, seed, epoch, rank, world_size):
+    """Returns this rank's train batches for `epoch`: a list of int64 index arrays,
+    each of `batch_size`, the same count on every rank, disjoint across ranks."""
+    order = np.random.default_rng([seed, epoch]).permutation(num_images)
+    per_rank = num_images // world_size
+    num_batches = per_rank // batch_size
+    mine = order[rank::world_size][: num_batches * batch_size]
+    return np.split(mine, num_batches) if num_batches else []
+
+
+def num_train_batches(num_images, batch_size, world_size):
+    """Train batches per rank per epoch (len of `train_batches`)."""
+    return num_images // world_size // batch_size
+
+
+def test_batches(num_images, batch_size, rank, world_size):
+    """Returns this rank's test batches: a contiguous slice of the images (in index
+    order) cut into batches of `batch_size`, the last one possibly smaller. The slices
+    of all ranks cover every image exactly once."""
+    bounds = np.linspace(0, num_images, world_size + 1).astype(np.int64)
+    mine = np.arange(bounds[rank], bounds[rank + 1], dtype=np.int64)
+    return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]

@@ -1,0 +1,67 @@
+"""Photo-like JPEG folders in the ImageNet layout, for tests, demos and benchmarks.
+
+The images are random crops of the two photos that scikit-learn ships
+(`sklearn.datasets.load_sample_images`), recoloured and resized, so that they compress
+and decode like real photos (flat noise or gradients would not). Nothing is downloaded.
+"""
+
+import os
+
+import numpy as np
+from PIL import Image
+
+
+def _source_photos():
+    """Returns the sample photos as a list of HWC uint8 RGB arrays."""
+    from sklearn.datasets import load_sample_images
+
+    return list(load_sample_images().images)
+
+
+def make_image(rng, photos, size):
+    """Returns one photo-like PIL RGB image of `size` = (width, height).
+
+    A random crop (40-100% of the source side) of a random source photo, optionally
+    flipped, with its channels permuted and scaled, resized to `size`.
+    """
+    photo = photos[rng.integers(len(photos))]
+    h, w = photo.shape[:2]
+    frac = rng.uniform(0.4, 1.0)
+    ch, cw = max(8, int(h * frac)), max(8, int(w * frac))
+    y, x = rng.integers(0, h - ch + 1), rng.integers(0, w - cw + 1)
+    crop = photo[y : y + ch, x : x + cw]
+    if rng.random() < 0.5:
+        crop = crop[:, ::-1]
+    # Recolour so that images of different classes differ in colour statistics.
+    gains = rng.uniform(0.7, 1.2, size=3)
+    crop = np.clip(crop[:, :, rng.permutation(3)] * gains, 0, 255).astype(np.uint8)
+    return Image.fromarray(np.ascontiguousarray(crop)).resize(size, Image.BILINEAR)
+
+
+def make_image_folder(
+    root,
+    splits=("train", "val"),
+    num_classes=4,
+    images_per_class=8,
+    size=(500, 375),
+    quality=95,
+    seed=0,
+):
+    """Writes `root/<split>/<class>/<image>.JPEG` and returns `root`.
+
+    Classes are named like WordNet ids (`n00000000`, `n00000001`, ...). `size` is the
+    (width, height) of the images, 500x375 by default (ImageNet's most common size;
+    at quality 95 such a file is about 20-100 KB, median 60 KB). Deterministic for a
+    given `seed`.
+    """
+    rng = np.random.default_rng(seed)
+    photos = _source_photos()
+    for split in splits:
+        for c in range(num_classes):
+            folder = os.path.join(root, split, f"n{c:08d}")
+            os.makedirs(folder, exist_ok=True)
+            for i in range(images_per_class):
+                im = make_image(rng, photos, size)
+                path = os.path.join(folder, f"{split}_{c:04d}_{i:06d}.JPEG")
+                im.save(path, quality=quality)
+    return root

@@ -1,0 +1,133 @@
+"""Per-image transforms on the host: PIL image in, uint8 RGB image of fixed size out.
+
+Train: random-resized-crop + horizontal flip at TRAIN.IM_SIZE, then the optional
+TRAIN.AUGMENT policy (timm's AutoAugment / RandAugment). Test: resize the shorter side
+to TEST.IM_SIZE and center-crop TRAIN.IM_SIZE (pycls). Crop and resize are one Pillow
+call (`resize(box=...)`), on a reduced-size JPEG decode where that keeps enough pixels.
+Colour normalization and PCA lighting are not here: they run on the device
+(pycls_fast/datasets/device.py), so batches stay uint8 on the host.
+"""
+
+import math
+import re
+
+from PIL import Image
+
+from pycls_fast.config import ConfigError
+from pycls_fast.datasets.decode import crop_resize
+
+# ImageNet mean in 0-255, timm's fill colour for geometric augmentations.
+_FILL = (124, 116, 104)
+
+
+def random_resized_crop_box(w, h, rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """Returns a random crop box (left, top, right, bottom) of a `w` x `h` image.
+
+    The box covers a uniform fraction in `scale` of the area with a log-uniform aspect
+    ratio in `ratio` (torchvision's RandomResizedCrop and pycls's random_sized_crop);
+    after 10 failed tries, the largest center crop within `ratio`. `rng` is a
+    `random.Random`.
+    """
+    area = w * h
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        cw = round(math.sqrt(target * aspect))
+        ch = round(math.sqrt(target / aspect))
+        if 0 < cw <= w and 0 < ch <= h:
+            x = rng.randint(0, w - cw)
+            y = rng.randint(0, h - ch)
+            return (x, y, x + cw, y + ch)
+    in_ratio = w / h
+    if in_ratio < ratio[0]:
+        cw, ch = w, round(w / ratio[0])
+    elif in_ratio > ratio[1]:
+        cw, ch = round(h * ratio[1]), h
+    else:
+        cw, ch = w, h
+    x, y = (w - cw) // 2, (h - ch) // 2
+    return (x, y, x + cw, y + ch)
+
+
+def center_crop_box(w, h, resize_size, crop_size):
+    """Returns the box that 'resize the shorter side to `resize_size`, then center-crop
+    `crop_size`' keeps, in the coordinates of the `w` x `h` original."""
+    side = min(w, h) * crop_size / resize_size
+    x, y = (w - side) / 2, (h - side) / 2
+    return (x, y, x + side, y + side)
+
+
+def make_augment(augment, im_size):
+    """Returns timm's transform for a pycls TRAIN.AUGMENT string, or None for ''.
+
+    'AutoAugment': the ImageNet policy of the AutoAugment paper (timm 'original').
+    'RandAugment_N2_M0.5[_P1.0]': N ops per image at magnitude M in [0, 1] (pycls's
+    scale; timm's is 0-10, so M0.5 -> m5), each applied with probability P (pycls
+    default 1.0). Raises ConfigError naming TRAIN.AUGMENT on anything else.
+    """
+    if not augment:
+        return None
+    from timm.data.auto_augment import auto_augment_transform, rand_augment_transform
+
+    hparams = {"translate_const": int(im_size * 0.45), "img_mean": _FILL}
+    if augment == "AutoAugment":
+        return auto_augment_transform("original", hparams)
+    match = re.fullmatch(r"RandAugment((?:_[NMP][0-9.]+)*)", augment)
+    if not match:
+        raise ConfigError(
+            f"TRAIN.AUGMENT must be '', 'AutoAugment' or 'RandAugment_N<n>_M<m>', "
+            f"got {augment!r}"
+        )
+    params = {p[0]: float(p[1:]) for p in match.group(1).split("_")[1:]}
+    if "M" not in params or not 0 <= params["M"] <= 1:
+        raise ConfigError(
+            f"TRAIN.AUGMENT {augment!r} needs a magnitude M in [0, 1], "
+            "e.g. RandAugment_N2_M0.5"
+        )
+    n, m, p = int(params.get("N", 2)), round(params["M"] * 10), params.get("P", 1.0)
+    return rand_augment_transform(f"rand-n{n}-m{m}-p{p}", hparams)
+
+
+class TrainTransform:
+    """Random-resized-crop + flip (+ augment) to `im_size` x `im_size` RGB."""
+
+    def __init__(self, im_size, augment=""):
+        self.out_size = (im_size, im_size)
+        self.augment = make_augment(augment, im_size)
+
+    def __call__(self, im, rng):
+        """`im`: an opened (not yet decoded) PIL image; `rng`: a `random.Random`.
+
+        Returns an RGB PIL image of `im_size` x `im_size`. timm's augmentations draw
+        from the global `random` module, so with TRAIN.AUGMENT set, results are not
+        reproducible across runs of a multi-threaded loader.
+        """
+        box = random_resized_crop_box(*im.size, rng)
+        im = crop_resize(im, box, self.out_size)
+        if rng.random() < 0.5:
+            im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        if self.augment is not None:
+            im = self.augment(im)
+        return im
+
+
+class TestTransform:
+    """Resize the shorter side to `resize_size`, center-crop `im_size` (pycls)."""
+
+    def __init__(self, im_size, resize_size):
+        self.out_size = (im_size, im_size)
+        self.resize_size = resize_size
+
+    def __call__(self, im, rng=None):
+        """`im`: an opened PIL image; returns an RGB PIL image of `im_size` squared."""
+        box = center_crop_box(*im.size, self.resize_size, self.out_size[0])
+        return crop_resize(im, box, self.out_size)
+
+
+def build_transform(cfg, train):
+    """Returns the train (TRAIN.IM_SIZE, TRAIN.AUGMENT) or test (TEST.IM_SIZE, then
+    TRAIN.IM_SIZE) transform of `cfg`."""
+    if train:
+        return TrainTransform(cfg.TRAIN.IM_SIZE, cfg.TRAIN.AUGMENT)
+    return TestTransform(cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE)
