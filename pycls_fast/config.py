@@ -409,6 +409,9 @@ _C.DATA = CfgNode()
 # Dataset root: one folder per split (TRAIN.SPLIT, TEST.SPLIT), one folder per class
 _C.DATA.PATH = ""
 
+# Cache each split's file index in OUT_DIR/data_index (rescanned when a folder changes)
+_C.DATA.INDEX_CACHE = True
+
 
 # ------------------------------- Data loader options -------------------------------- #
 _C.DATA_LOADER = CfgNode()
@@ -424,6 +427,13 @@ _C.DATA_LOADER.MODE = "threads"
 
 # pycls_fast: abort when more than this fraction of images fail to decode
 _C.DATA_LOADER.MAX_BAD_FRAC = 0.01
+
+# pycls_fast: decoded batches buffered ahead of the training step, per process
+_C.DATA_LOADER.PREFETCH = 4
+
+# pycls_fast: log per-stage task time and queue occupancy every this many seconds
+# ('threads' mode, logger spdl.pipeline; 0 turns it off)
+_C.DATA_LOADER.STATS_PERIOD = 0.0
 
 
 # ------------------------------ Mixed precision options ----------------------------- #
@@ -723,6 +733,7 @@ _POSITIVE = [
     "TRAIN.CHECKPOINT_PERIOD",
     "TEST.BATCH_SIZE",
     "TEST.IM_SIZE",
+    "DATA_LOADER.PREFETCH",
     "NUM_GPUS",
     "LOG_PERIOD",
     "PREC_TIME.NUM_ITER",
@@ -741,6 +752,7 @@ _NON_NEGATIVE = [
     "TRAIN.CUTMIX_ALPHA",
     "TRAIN.PCA_STD",
     "DATA_LOADER.NUM_WORKERS",
+    "DATA_LOADER.STATS_PERIOD",
     "PREC_TIME.WARMUP_ITER",
 ]
 
