@@ -13,6 +13,7 @@ There is no global config: `get_cfg()` returns a fresh copy of the defaults.
 """
 
 import ast
+import contextlib
 import difflib
 import os
 
@@ -43,8 +44,10 @@ _C.MODEL.ACTIVATION_FUN = "relu"
 # Perform activation inplace if implemented
 _C.MODEL.ACTIVATION_INPLACE = True
 
-# Model scaling parameters (pycls; accepted, unused by ViT)
+# Model scaling type (pycls; unused by ViT)
 _C.MODEL.SCALING_TYPE = ""
+
+# Model scaling factor (pycls; unused by ViT)
 _C.MODEL.SCALING_FACTOR = 1.0
 
 
@@ -364,7 +367,7 @@ _C.TRAIN.AUTO_RESUME = True
 # Weights to start training from
 _C.TRAIN.WEIGHTS = ""
 
-# Train with mixed precision (autocast, fp32 weights): AMP mode O1 unless AMP.MODE is set
+# Train with mixed precision (autocast, fp32 weights): AMP mode O1 unless AMP.MODE set
 _C.TRAIN.MIXED_PRECISION = False
 
 # Label smoothing value in 0 to 1 (0 gives no smoothing)
@@ -578,7 +581,7 @@ _C.PORT = 0
 _C.DOWNLOAD_CACHE = "/tmp/pycls-download-cache"
 
 
-# Keys that older pycls versions had and that no longer mean anything: accepted, ignored.
+# Keys that older pycls versions had and that mean nothing now: accepted, ignored.
 _DEPRECATED_KEYS = {"PREC_TIME.BATCH_SIZE", "PREC_TIME.ENABLED"}
 
 _DEFAULTS = _C.clone()
@@ -613,10 +616,8 @@ def _coerce(key, value, default):
     """Returns `value` with the type of `default`, or raises ConfigError."""
     if isinstance(value, str) and not isinstance(default, str):
         # Command-line overrides arrive as strings: parse them as Python literals.
-        try:
+        with contextlib.suppress(ValueError, SyntaxError):
             value = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            pass
     if isinstance(default, bool):
         if isinstance(value, bool):
             return value
@@ -652,6 +653,10 @@ def _merge(cfg, src, prefix=""):
         if key in _DEPRECATED_KEYS:
             continue
         if k not in cfg:
+            while isinstance(v, dict) and v:
+                # An unknown section: name its first key, the closest real key to it.
+                k, v = next(iter(v.items()))
+                key = f"{key}.{k}"
             where = _flat_keys(_DEFAULTS)
             raise ConfigError(f"unknown config key {key}{_suggest(key, where)}")
         if isinstance(cfg[k], CfgNode):
@@ -791,7 +796,8 @@ def check_cfg(cfg):
     for key in ("TRAIN.BATCH_SIZE", "TEST.BATCH_SIZE"):
         if _get(cfg, key) % cfg.NUM_GPUS:
             raise ConfigError(
-                f"{key} ({_get(cfg, key)}) must be divisible by NUM_GPUS ({cfg.NUM_GPUS})"
+                f"{key} ({_get(cfg, key)}) must be divisible by NUM_GPUS "
+                f"({cfg.NUM_GPUS})"
             )
     if cfg.AMP.MODE == "fp32" and cfg.TRAIN.MIXED_PRECISION:
         raise ConfigError(

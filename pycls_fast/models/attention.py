@@ -25,10 +25,13 @@ KERNELS = ["explicit", "sdpa", *_BACKENDS]
 # Fastest forward+backward kernel by (device type, dtype), from tools/bench_attention.py
 # on ViT-sized problems (see docs/PERFORMANCE.md). Devices not listed use 'sdpa', which
 # lets torch pick (on CUDA it picks flash / memory-efficient / cuDNN kernels).
+# On an AMX CPU the explicit form wins in bf16 (its matmuls run on AMX tiles, while the
+# CPU flash kernel's backward does not), flash wins in fp32, and SDPA's math backend in
+# fp16 (the explicit form has no fast fp16 matmul there).
 MEASURED_BEST = {
     ("cpu", torch.float32): "sdpa_flash",
-    ("cpu", torch.bfloat16): "sdpa_flash",
-    ("cpu", torch.float16): "sdpa_flash",
+    ("cpu", torch.bfloat16): "explicit",
+    ("cpu", torch.float16): "sdpa_math",
 }
 
 

@@ -102,7 +102,9 @@ def from_timm(state_dict, cfg, *, drop_head=False):
     pairs = _key_map(p.n_layers, has_token)
     missing = [t for t, _ in pairs if t not in sd]
     if missing:
-        raise ConfigError(f"timm checkpoint lacks {missing[0]} (and {len(missing)-1} more)")
+        raise ConfigError(
+            f"timm checkpoint lacks {missing[0]} (and {len(missing) - 1} more)"
+        )
     extra = sorted(set(sd) - {t for t, _ in pairs})
     if extra:
         raise ConfigError(f"timm checkpoint has unsupported tensor {extra[0]}")
@@ -125,7 +127,9 @@ def to_timm(state_dict, cfg):
     pairs = _key_map(p.n_layers, p.cls_type == "token")
     missing = [o for _, o in pairs if o not in sd]
     if missing:
-        raise ConfigError(f"checkpoint lacks {missing[0]} (and {len(missing)-1} more)")
+        raise ConfigError(
+            f"checkpoint lacks {missing[0]} (and {len(missing) - 1} more)"
+        )
     return {t: sd[o] for t, o in pairs}
 
 

@@ -1,0 +1,83 @@
+"""timm interop: same logits for the same weights, exact round trips, clear errors."""
+
+import pytest
+import torch
+
+from pycls_fast.config import ConfigError
+from pycls_fast.models import build_model
+from pycls_fast.models.timm_compat import build_timm_vit, from_timm, to_timm
+
+from .conftest import tiny_cfg
+
+
+def _random_timm(cfg):
+    model = build_timm_vit(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # timm zero-inits some tensors: randomize all
+            p.normal_(std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("cls", ["token", "pooled"])
+@pytest.mark.parametrize("layout", ["batch_second", "batch_first"])
+def test_same_logits_as_timm(cls, layout):
+    cfg = tiny_cfg("VIT.CLASSIFIER_TYPE", cls, "VIT.LAYOUT", layout)
+    timm_model = _random_timm(cfg)
+    ours = build_model(cfg).eval()
+    ours.load_state_dict(from_timm(timm_model.state_dict(), cfg))
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        expected, got = timm_model(x), ours(x)
+    assert expected.abs().max() > 0.1  # the comparison is not between zeros
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("cls", ["token", "pooled"])
+def test_round_trips_are_exact(cls):
+    cfg = tiny_cfg("VIT.CLASSIFIER_TYPE", cls)
+    timm_sd = _random_timm(cfg).state_dict()
+    back = to_timm(from_timm(timm_sd, cfg), cfg)
+    assert sorted(back) == sorted(timm_sd)
+    assert all(torch.equal(back[k], timm_sd[k]) for k in timm_sd)
+    ours_sd = build_model(cfg).state_dict()
+    again = from_timm(to_timm(ours_sd, cfg), cfg)
+    assert sorted(again) == sorted(ours_sd)
+    assert all(torch.equal(again[k], ours_sd[k]) for k in ours_sd)
+
+
+def test_pos_embed_resampled_to_another_image_size():
+    timm_sd = _random_timm(tiny_cfg()).state_dict()  # 32 px: 4 x 4 patches + token
+    cfg = tiny_cfg("TRAIN.IM_SIZE", "48", "TEST.IM_SIZE", "48")  # 6 x 6 patches
+    state = from_timm(timm_sd, cfg)
+    assert state["pos_embedding"].shape == (1, 37, 48)
+    torch.testing.assert_close(state["pos_embedding"][:, 0], timm_sd["pos_embed"][:, 0])
+    build_model(cfg).load_state_dict(state)
+
+
+def test_drop_head_for_fine_tuning():
+    timm_sd = _random_timm(tiny_cfg()).state_dict()
+    cfg = tiny_cfg("MODEL.NUM_CLASSES", "3")
+    with pytest.raises(ConfigError, match="MODEL.NUM_CLASSES"):
+        from_timm(timm_sd, cfg)
+    state = from_timm(timm_sd, cfg, drop_head=True)
+    missing, _ = build_model(cfg).load_state_dict(state, strict=False)
+    assert sorted(missing) == ["head.head_fc.bias", "head.head_fc.weight"]
+
+
+@pytest.mark.parametrize(
+    "opts, message",
+    [
+        (["VIT.CLASSIFIER_TYPE", "pooled"], "VIT.CLASSIFIER_TYPE is 'pooled'"),
+        (["VIT.NUM_LAYERS", "3"], "VIT.NUM_LAYERS is 3 but the timm checkpoint has 2"),
+        (["VIT.MLP_DIM", "192"], "VIT.MLP_DIM"),
+        (
+            ["VIT.STEM_TYPE", "conv", "VIT.C_STEM_KERNELS", "[1]", "VIT.C_STEM_STRIDES",
+             "[8]", "VIT.C_STEM_DIMS", "[48]"],
+            "no conv stem",
+        ),
+    ],
+)  # fmt: skip
+def test_mismatches_are_clear_errors(opts, message):
+    timm_sd = _random_timm(tiny_cfg()).state_dict()
+    with pytest.raises(ConfigError, match=message):
+        from_timm(timm_sd, tiny_cfg(*opts))

@@ -1,0 +1,102 @@
+"""Command-line tools: contracts of design.md (output, exit codes, one-line errors)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pycls_fast.models.timm_compat import build_timm_vit
+
+from .conftest import ROOT, TINY, tiny_cfg
+
+EXAMPLE = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
+
+
+def _tool(name, *args):
+    cmd = [sys.executable, os.path.join(ROOT, "tools", name), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["info_net.py", "convert_weights.py", "gen_config_doc.py", "bench_attention.py"],
+)
+def test_help(name):
+    result = _tool(name, "--help")
+    assert result.returncode == 0 and "usage:" in result.stdout
+
+
+def test_info_net_json():
+    result = _tool("info_net.py", "--cfg", "configs/pycls/ViT-P-18GF.yaml", "--json")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert record["params"] == 86_567_656
+    assert record["flops"] == 17_580_319_720
+    assert record["acts"] == 23_895_544
+    assert "ViTEncoderBlock" in result.stdout  # the model itself is printed too
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--cfg", "missing.yaml"], "error: config file not found: missing.yaml"),
+        (["--cfg", EXAMPLE, "VIT.HIDEN_DIM", "8"], "did you mean 'VIT.HIDDEN_DIM'?"),
+        (
+            ["--cfg", EXAMPLE, "TRAIN.IM_SIZE", "30"],
+            "TRAIN.IM_SIZE (30) must be divisible",
+        ),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_line(args, message):
+    result = _tool("info_net.py", *args)
+    assert result.returncode == 2
+    assert result.stderr.strip() == result.stderr.strip().splitlines()[0]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_config_doc_is_current_and_complete():
+    result = _tool("gen_config_doc.py", "--check")
+    assert result.returncode == 0, result.stdout
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import gen_config_doc
+
+    assert gen_config_doc.undocumented() == []
+
+
+def test_convert_weights_files_round_trip(tmp_path):
+    cfg = tiny_cfg()
+    timm_model = build_timm_vit(cfg)
+    src = tmp_path / "timm.pth"
+    torch.save({"state_dict": timm_model.state_dict()}, src)
+    ours, back = tmp_path / "ours.pyth", tmp_path / "back.pth"
+    opts = ["--cfg", EXAMPLE, *TINY, "VIT.CLASSIFIER_TYPE", "token"]
+    result = _tool("convert_weights.py", "--src", str(src), "--dst", str(ours), *opts)
+    assert result.returncode == 0, result.stderr
+    checkpoint = torch.load(ours, weights_only=True)
+    assert "encoder.block_1.mlp_block.linear_2.weight" in checkpoint["model_state"]
+    result = _tool(
+        "convert_weights.py", "--src", str(ours), "--dst", str(back), "--to-timm", *opts
+    )
+    assert result.returncode == 0, result.stderr
+    original, converted = timm_model.state_dict(), torch.load(back, weights_only=True)
+    assert sorted(original) == sorted(converted)
+    assert all(torch.equal(original[k], converted[k]) for k in original)
+
+
+def test_convert_weights_bad_input(tmp_path):
+    result = _tool(
+        "convert_weights.py", "--cfg", EXAMPLE, "--src", "nope.pth", "--dst", "x.pth"
+    )
+    assert result.returncode == 2 and "no such file: nope.pth" in result.stderr
+    src = tmp_path / "ours.pth"
+    torch.save(build_timm_vit(tiny_cfg()).state_dict(), src)
+    dst = tmp_path / "out.pyth"
+    result = _tool(
+        "convert_weights.py", "--cfg", EXAMPLE, "--src", str(src), "--dst", str(dst)
+    )  # the tiny timm model does not fit the example config's dimensions
+    assert result.returncode == 2 and "VIT.CLASSIFIER_TYPE is 'pooled'" in result.stderr
+    assert not dst.exists()

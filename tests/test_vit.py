@@ -1,0 +1,154 @@
+"""ViT model: shapes, layout and classifier equivalences, complexity (pycls counts)."""
+
+import glob
+import os
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from pycls_fast.config import load_cfg
+from pycls_fast.models import build_model, complexity
+
+from .conftest import ROOT, tiny_cfg
+
+CONV_STEM = [
+    "VIT.STEM_TYPE", "conv",
+    "VIT.C_STEM_KERNELS", "[3, 3, 1]",
+    "VIT.C_STEM_STRIDES", "[2, 4, 1]",
+    "VIT.C_STEM_DIMS", "[8, 16, 48]",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", ["token", "pooled"])
+@pytest.mark.parametrize("stem", ["patchify", "conv"])
+def test_forward_shape_and_dtype(cls, stem):
+    extra = CONV_STEM if stem == "conv" else []
+    model = build_model(tiny_cfg("VIT.CLASSIFIER_TYPE", cls, *extra))
+    out = model(torch.randn(5, 3, 32, 32))
+    assert out.shape == (5, 10) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("cls", ["token", "pooled"])
+@pytest.mark.parametrize("stem", ["patchify", "conv"])
+def test_layouts_give_identical_outputs_and_grads(cls, stem):
+    extra = CONV_STEM if stem == "conv" else []
+    first = build_model(
+        tiny_cfg("VIT.LAYOUT", "batch_first", "VIT.CLASSIFIER_TYPE", cls, *extra)
+    )
+    second = build_model(
+        tiny_cfg("VIT.LAYOUT", "batch_second", "VIT.CLASSIFIER_TYPE", cls, *extra)
+    )
+    # A non-zero head, so that gradients reach every parameter.
+    torch.nn.init.normal_(first.head.head_fc.weight)
+    second.load_state_dict(first.state_dict())
+    x = torch.randn(4, 3, 32, 32)
+    out_first, out_second = first(x), second(x)
+    torch.testing.assert_close(out_first, out_second, rtol=0, atol=1e-5)
+    out_first.square().sum().backward()
+    out_second.square().sum().backward()
+    for (name, a), (_, b) in zip(first.named_parameters(), second.named_parameters()):
+        # Same math, summed in another order: equal up to fp32 rounding of the largest.
+        assert (a.grad - b.grad).abs().max() <= 1e-5 * a.grad.abs().max(), name
+
+
+def test_pooled_classifier_is_norm_then_mean():
+    model = build_model(tiny_cfg("VIT.CLASSIFIER_TYPE", "pooled")).eval()
+    torch.nn.init.normal_(model.head.head_fc.weight)
+    x = torch.randn(2, 3, 32, 32)
+    tokens = model.stem(x).flatten(2).transpose(1, 2) + model.pos_embedding
+    for block in list(model.encoder.children())[:-1]:
+        tokens = block(tokens.transpose(0, 1)).transpose(0, 1)
+    features = model.encoder.ln(tokens).mean(dim=1)
+    torch.testing.assert_close(model(x), model.head(features))
+
+
+def test_drop_path_only_in_training():
+    model = build_model(tiny_cfg("VIT.DROP_PATH", "0.5"))
+    torch.nn.init.normal_(model.head.head_fc.weight)
+    x = torch.randn(8, 3, 32, 32)
+    model.eval()
+    torch.testing.assert_close(model(x), model(x))
+    model.train()
+    assert not torch.allclose(model(x), model(x))
+    rates = [b.drop_path_prob for b in list(model.encoder.children())[:-1]]
+    assert rates == [0.0, 0.5]
+
+
+def test_vit_b16_matches_pycls_and_timm_counts():
+    cfg = load_cfg(os.path.join(ROOT, "configs/pycls/ViT-P-18GF.yaml"))
+    cx = complexity(cfg)
+    # pycls's counts for ViT-B/16 (ViT_P-18GF), 224 px, token classifier, 1000 classes
+    assert cx == {"params": 86_567_656, "flops": 17_580_319_720, "acts": 23_895_544}
+    timm_vit = pytest.importorskip("timm").create_model(
+        "vit_base_patch16_224", pretrained=False
+    )
+    assert sum(p.numel() for p in timm_vit.parameters()) == cx["params"]
+
+
+def _closed_form(d, m, heads, layers, seq, patches, patch, classes):
+    """pycls's ViT counts, written out by hand for a patchify stem."""
+    hd = d // heads
+    flops = patch * patch * 3 * d * patches + d * patches
+    acts = d * patches
+    for _ in range(layers):
+        flops += seq * (3 * d * d + 3 * d) + 2 * heads * seq * seq * hd
+        flops += seq * (d * d + d) + seq * (d * m + m) + seq * (m * d + d)
+        acts += 3 * d * seq + heads * seq * seq + heads * seq * hd + d * seq
+        acts += m * seq + d * seq
+    return flops + d * classes + classes, acts + classes
+
+
+@pytest.mark.parametrize("cls", ["token", "pooled"])
+def test_complexity_closed_form(cls):
+    cfg = tiny_cfg("VIT.CLASSIFIER_TYPE", cls)
+    seq = 16 + (cls == "token")
+    flops, acts = _closed_form(48, 96, 4, 2, seq, 16, 8, 10)
+    cx = complexity(cfg)
+    assert (cx["flops"], cx["acts"]) == (flops, acts)
+
+
+@pytest.mark.parametrize("stem", ["patchify", "conv"])
+@pytest.mark.parametrize("cls", ["token", "pooled"])
+def test_flops_match_torch_flop_counter(stem, cls):
+    # torch counts 2 flops per multiply-add and no bias adds; pycls counts bias adds.
+    extra = CONV_STEM if stem == "conv" else []
+    cfg = tiny_cfg("VIT.CLASSIFIER_TYPE", cls, "VIT.ATTENTION", "explicit", *extra)
+    model = build_model(cfg).eval()
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(torch.randn(1, 3, 32, 32))
+    seq = model.params.seq_len
+    bias_adds = sum(
+        m.out_features * (1 if "head" in name else seq)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    )
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Conv2d) and m.bias is not None:
+            bias_adds += m.out_channels * (
+                16 if "last" in name or "patchify" in name else 0
+            )
+    assert complexity(cfg)["flops"] == counter.get_total_flops() // 2 + bias_adds
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(glob.glob(os.path.join(ROOT, "configs/*/*.yaml"))),
+    ids=os.path.basename,
+)
+def test_param_count_equals_module_for_every_config(path):
+    cfg = load_cfg(path)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == complexity(cfg)["params"]
+
+
+def test_attention_kernels_agree():
+    from pycls_fast.models.attention import KERNELS, attend
+
+    q, k, v = torch.randn(3, 2, 4, 17, 8).unbind(0)
+    ref = attend(q, k, v, "explicit")
+    for kernel in ["sdpa", "sdpa_math", "sdpa_flash", "auto"]:
+        assert kernel == "auto" or kernel in KERNELS
+        torch.testing.assert_close(attend(q, k, v, kernel), ref, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Measures the attention kernels, forward and forward+backward, per dtype.
+
+    python tools/bench_attention.py [--shapes vit-s,vit-b] [--batch 32] [--reps 7]
+
+Kernels: every name in pycls_fast.models.attention.KERNELS that runs on this device.
+Runs are interleaved (k1, k2, ..., k1, k2, ...) and the median is reported, with the
+ratio to the explicit matmul-softmax-matmul form measured in the same run. The fastest
+forward+backward kernel per dtype is what `VIT.ATTENTION: auto` should pick
+(`MEASURED_BEST` in pycls_fast/models/attention.py).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from pycls_fast.core.cli import UserError, run  # noqa: E402
+from pycls_fast.models.attention import KERNELS, attend  # noqa: E402
+
+# name: (heads, seq, head_dim) of ViT attention at 224 px with 16 px patches
+SHAPES = {
+    "vit-s": (6, 197, 64),
+    "vit-p4gf-pooled": (6, 196, 64),
+    "vit-b": (12, 197, 64),
+    "vit-l": (16, 197, 64),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _inputs(batch, heads, seq, head_d, dtype, device, grad):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    return [
+        torch.randn(batch, heads, seq, head_d, generator=g)
+        .to(device=device, dtype=dtype)
+        .requires_grad_(grad)
+        for _ in range(3)
+    ]
+
+
+def _step(kernel, qkv, backward):
+    out = attend(*qkv, kernel)
+    if backward:
+        out.backward(torch.ones_like(out))
+        for t in qkv:
+            t.grad = None
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(kernel, qkv, backward, device, iters):
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        _step(kernel, qkv, backward)
+    _sync(device)
+    return (time.perf_counter() - start) / iters
+
+
+def _usable(kernel, qkv, backward):
+    try:
+        _step(kernel, qkv, backward)
+        return True
+    except RuntimeError:
+        return False  # the backend does not support this device / dtype / shape
+
+
+def bench(shape, dtype, batch, reps, iters, device):
+    """Returns {kernel: {"fwd_ms", "fwdbwd_ms"}} medians for one shape and dtype."""
+    heads, seq, head_d = SHAPES[shape]
+    results = {}
+    for backward, key in ((False, "fwd_ms"), (True, "fwdbwd_ms")):
+        qkv = _inputs(batch, heads, seq, head_d, dtype, device, backward)
+        kernels = [k for k in KERNELS if _usable(k, qkv, backward)]
+        times = {k: [] for k in kernels}
+        for k in kernels:
+            _time(k, qkv, backward, device, 1)  # warm-up
+        for _ in range(reps):
+            for k in kernels:
+                times[k].append(_time(k, qkv, backward, device, iters))
+        for k in kernels:
+            results.setdefault(k, {})[key] = statistics.median(times[k]) * 1e3
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="vit-s,vit-b", help=",".join(SHAPES))
+    parser.add_argument("--dtypes", default="fp32,bf16", help=",".join(DTYPES))
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions")
+    parser.add_argument("--iters", type=int, default=3, help="calls per timing")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    shapes, dtypes = args.shapes.split(","), args.dtypes.split(",")
+    for name in shapes:
+        if name not in SHAPES:
+            raise UserError(
+                f"--shapes: unknown shape {name!r}; choose from {list(SHAPES)}"
+            )
+    for name in dtypes:
+        if name not in DTYPES:
+            raise UserError(
+                f"--dtypes: unknown dtype {name!r}; choose from {list(DTYPES)}"
+            )
+
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, device {device}, batch {args.batch}"
+    )
+    record = {}
+    best = {}
+    for shape in shapes:
+        for dname in dtypes:
+            res = bench(shape, DTYPES[dname], args.batch, args.reps, args.iters, device)
+            record[f"{shape}/{dname}"] = res
+            ref = res["explicit"]
+            print(f"\n{shape} (heads, seq, head_dim) = {SHAPES[shape]}, {dname}")
+            print("| kernel | fwd ms | fwd+bwd ms | fwd+bwd vs explicit |")
+            print("|---|---:|---:|---:|")
+            for k, r in sorted(res.items(), key=lambda kv: kv[1]["fwdbwd_ms"]):
+                ratio = ref["fwdbwd_ms"] / r["fwdbwd_ms"]
+                print(
+                    f"| {k} | {r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.2f} | {ratio:.2f}x |"
+                )
+            fastest = min(res, key=lambda k: res[k]["fwdbwd_ms"])
+            best.setdefault(dname, []).append(fastest)
+    print("\nfastest forward+backward per dtype (one per shape):")
+    for dname, names in best.items():
+        print(f"  {device.type}/{dname}: {', '.join(names)}")
+    if args.json:
+        print(
+            json.dumps({"device": device.type, "batch": args.batch, "results": record})
+        )
+
+
+if __name__ == "__main__":
+    run(main)
