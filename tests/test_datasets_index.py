@@ -1,0 +1,80 @@
+"""Folder index: layout, labels, bad layouts, cache."""
+
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pycls_fast.core.cli import UserError
+from pycls_fast.datasets.index import load_index, scan_split
+
+
+def _touch_image(path, mode="RGB", fmt=None):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.new(mode, (8, 8)).save(path, format=fmt)
+
+
+def _layout(root):
+    # Classes deliberately created out of order; one non-image file; mixed extensions.
+    _touch_image(f"{root}/train/n02/b.JPEG", fmt="JPEG")
+    _touch_image(f"{root}/train/n02/a.jpg", fmt="JPEG")
+    _touch_image(f"{root}/train/n01/c.png")
+    _touch_image(f"{root}/train/n01/d.jpeg", fmt="JPEG")
+    _touch_image(f"{root}/train/n03/e.PNG", fmt="PNG")
+    with open(f"{root}/train/n01/notes.txt", "w") as f:
+        f.write("not an image")
+    return root
+
+
+def test_classes_sorted_and_labels(tmp_path):
+    index = scan_split(_layout(str(tmp_path)) + "/train")
+    assert index.classes == ["n01", "n02", "n03"]
+    rel = [p.decode() for p in index.paths]
+    assert rel == ["n01/c.png", "n01/d.jpeg", "n02/a.jpg", "n02/b.JPEG", "n03/e.PNG"]
+    assert index.labels.dtype == np.int64
+    assert index.labels.tolist() == [0, 0, 1, 1, 2]
+    assert index.path(2) == os.path.join(str(tmp_path), "train", "n02", "a.jpg")
+
+
+def test_missing_root_and_split(tmp_path):
+    with pytest.raises(UserError, match="DATA.PATH is not set"):
+        load_index("", "train")
+    with pytest.raises(UserError, match="DATA.PATH folder not found: .*nowhere"):
+        load_index(str(tmp_path / "nowhere"), "train")
+    with pytest.raises(UserError, match=r"split folder not found: .*[/\\]val"):
+        load_index(str(tmp_path), "val")
+
+
+def test_split_without_class_folders(tmp_path):
+    _touch_image(f"{tmp_path}/val/flat.JPEG", fmt="JPEG")
+    with pytest.raises(UserError, match=r"no class folders in .*val"):
+        load_index(str(tmp_path), "val")
+
+
+def test_empty_class_folder_is_named(tmp_path):
+    _layout(str(tmp_path))
+    os.makedirs(f"{tmp_path}/train/n04")
+    with open(f"{tmp_path}/train/n04/readme.txt", "w") as f:
+        f.write("x")
+    with pytest.raises(UserError, match=r"no images.*: .*n04"):
+        load_index(str(tmp_path), "train")
+
+
+def test_cache_reused_and_invalidated(tmp_path):
+    root, cache = _layout(str(tmp_path / "data")), str(tmp_path / "cache")
+    first = load_index(root, "train", cache)
+    files = os.listdir(cache)
+    assert len(files) == 1 and files[0].endswith(".npz")
+    # A cache hit returns the stored arrays (seen by poisoning the cache contents).
+    path = os.path.join(cache, files[0])
+    with np.load(path) as z:
+        stored = dict(z)
+    stored["labels"] = np.array([9, 9, 9, 9, 9])
+    np.savez(path, **stored)
+    assert load_index(root, "train", cache).labels.tolist() == [9] * 5
+    # Adding an image changes the class folder's mtime: the cache is rebuilt.
+    _touch_image(f"{root}/train/n03/f.jpg", fmt="JPEG")
+    os.utime(f"{root}/train/n03", ns=(1, 1))
+    again = load_index(root, "train", cache)
+    assert again.labels.tolist() == first.labels.tolist() + [2]

@@ -1,0 +1,181 @@
+"""Loader constructors: ranks, epochs, modes, bad images, errors."""
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pycls_fast.config import ConfigError, get_cfg
+from pycls_fast.core.cli import UserError
+from pycls_fast.datasets.loader import (
+    BadImagesError,
+    construct_test_loader,
+    construct_train_loader,
+)
+from pycls_fast.datasets.synthetic import make_image_folder
+
+NUM_CLASSES, PER_CLASS = 3, 6  # 18 images per split
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("imagenet"))
+    return make_image_folder(
+        root, num_classes=NUM_CLASSES, images_per_class=PER_CLASS, size=(48, 40)
+    )
+
+
+def _cfg(root, tmp_path, **over):
+    cfg = get_cfg()
+    cfg.DATA.PATH = root
+    cfg.OUT_DIR = str(tmp_path / "out")
+    cfg.MODEL.NUM_CLASSES = NUM_CLASSES
+    cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE = 32, 36
+    cfg.TRAIN.BATCH_SIZE, cfg.TEST.BATCH_SIZE = 4, 4
+    cfg.DATA_LOADER.NUM_WORKERS = 2
+    for key, value in over.items():
+        node, name = key.split("__")
+        cfg[node][name] = value
+    return cfg
+
+
+def _epoch(loader, epoch=0):
+    loader.set_epoch(epoch)
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def test_train_batches_shape_dtype_and_len(data_root, tmp_path):
+    loader = construct_train_loader(_cfg(data_root, tmp_path))
+    batches = _epoch(loader)
+    assert len(loader) == len(batches) == 18 // 4
+    images, labels = batches[0]
+    assert images.shape == (4, 3, 32, 32) and images.dtype == torch.uint8
+    assert labels.dtype == torch.int64 and labels.max() < NUM_CLASSES
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    stats = loader.stats()
+    assert stats["images"] == 16 and stats["bad_images"] == 0
+    assert 0.0 <= stats["data_wait_frac"] <= 1.0 and stats["img_per_s"] > 0
+
+
+def test_two_ranks_disjoint_equal_and_deterministic(data_root, tmp_path):
+    cfg = _cfg(data_root, tmp_path, TRAIN__BATCH_SIZE=4)  # 2 images per rank
+    loaders = [construct_train_loader(cfg, rank=r, world_size=2) for r in (0, 1)]
+    assert len(loaders[0]) == len(loaders[1]) == 18 // 2 // 2
+    # The images a rank reads, as index arrays: disjoint, and the same on a rerun.
+    plans = [np.concatenate(lo.plan(5)) for lo in loaders]
+    assert not set(plans[0]) & set(plans[1])
+    a = _epoch(loaders[0], 5)
+    b = _epoch(construct_train_loader(cfg, rank=0, world_size=2), 5)
+    assert all(
+        torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b)
+    )
+    c = _epoch(loaders[0], 6)
+    assert not all(torch.equal(x[0], y[0]) for x, y in zip(a, c))
+    assert a[0][0].shape[0] == 2
+
+
+def test_threads_and_processes_yield_identical_batches(data_root, tmp_path):
+    threads = _epoch(construct_train_loader(_cfg(data_root, tmp_path)), 2)
+    cfg = _cfg(data_root, tmp_path, DATA_LOADER__MODE="processes")
+    procs = _epoch(construct_train_loader(cfg), 2)
+    inline = _epoch(
+        construct_train_loader(_cfg(data_root, tmp_path, DATA_LOADER__NUM_WORKERS=0)), 2
+    )
+    assert len(threads) == len(procs) == len(inline) == 4
+    for (x, y), (p, q), (s, t) in zip(threads, procs, inline):
+        assert torch.equal(x, p) and torch.equal(y, q)
+        assert torch.equal(x, s) and torch.equal(y, t)
+
+
+def test_test_split_covered_once_across_ranks(data_root, tmp_path):
+    cfg = _cfg(data_root, tmp_path, TEST__BATCH_SIZE=8)  # 4 per rank
+    seen = []
+    for rank in (0, 1):
+        loader = construct_test_loader(cfg, rank=rank, world_size=2)
+        batches = _epoch(loader)
+        assert [len(y) for _, y in batches] == [4, 4, 1]
+        seen += [y for _, y in batches]
+    labels = torch.cat(seen)
+    assert torch.bincount(labels).tolist() == [PER_CLASS] * NUM_CLASSES
+    # Center crops are deterministic: a second pass gives the same pixels.
+    again = _epoch(construct_test_loader(cfg, rank=0, world_size=2), 7)
+    first = _epoch(construct_test_loader(cfg, rank=0, world_size=2), 0)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(again, first))
+
+
+def _corrupt(root, tmp_path):
+    """A copy of the train split with one truncated and one garbage .JPEG."""
+    bad_root = str(tmp_path / "bad")
+    make_image_folder(
+        bad_root, splits=("train",), num_classes=2, images_per_class=8, size=(48, 40)
+    )
+    victim = os.path.join(bad_root, "train", "n00000001", "train_0001_000003.JPEG")
+    with open(victim, "rb") as f:
+        data = f.read()
+    with open(victim, "wb") as f:
+        f.write(data[: len(data) // 3])  # truncated
+    with open(os.path.join(bad_root, "train", "n00000000", "zz.JPEG"), "wb") as f:
+        f.write(b"not a jpeg at all")
+    return bad_root, victim
+
+
+@pytest.mark.parametrize("mode", ["threads", "processes"])
+def test_corrupt_images_skipped_counted_logged(tmp_path, caplog, mode):
+    bad_root, victim = _corrupt(None, tmp_path)
+    cfg = _cfg(bad_root, tmp_path, TRAIN__BATCH_SIZE=17, DATA_LOADER__MAX_BAD_FRAC=0.2)
+    cfg.MODEL.NUM_CLASSES = 2
+    cfg.DATA_LOADER.MODE = mode
+    loader = construct_train_loader(cfg)
+    with caplog.at_level(logging.WARNING, logger="pycls_fast.datasets.loader"):
+        batches = _epoch(loader)
+    assert [len(y) for _, y in batches] == [15]  # 17 images, 2 skipped
+    assert batches[0][0].shape == (15, 3, 32, 32)
+    assert loader.stats()["bad_images"] == 2
+    assert sorted(os.path.basename(p) for p, _ in loader.bad_images) == [
+        "train_0001_000003.JPEG",
+        "zz.JPEG",
+    ]
+    assert victim in caplog.text
+
+
+def test_too_many_bad_images_abort(tmp_path):
+    bad_root, _ = _corrupt(None, tmp_path)
+    cfg = _cfg(bad_root, tmp_path, TRAIN__BATCH_SIZE=17, DATA_LOADER__MAX_BAD_FRAC=0.1)
+    cfg.MODEL.NUM_CLASSES = 2
+    with pytest.raises(BadImagesError, match=r"2 images .*MAX_BAD_FRAC \(0.1\)"):
+        _epoch(construct_train_loader(cfg))
+
+
+def test_user_errors(data_root, tmp_path):
+    with pytest.raises(UserError, match="DATA.PATH is not set"):
+        construct_train_loader(_cfg("", tmp_path))
+    with pytest.raises(ConfigError, match="MODEL.NUM_CLASSES"):
+        construct_train_loader(_cfg(data_root, tmp_path, MODEL__NUM_CLASSES=2))
+    with pytest.raises(UserError, match="fewer than one batch"):
+        construct_train_loader(_cfg(data_root, tmp_path, TRAIN__BATCH_SIZE=64))
+    with pytest.raises(ConfigError, match="TRAIN.BATCH_SIZE"):
+        construct_train_loader(_cfg(data_root, tmp_path), rank=0, world_size=3)
+
+
+def test_test_classes_must_match_train(tmp_path):
+    root = str(tmp_path / "mismatch")
+    make_image_folder(
+        root, splits=("train",), num_classes=3, images_per_class=2, size=(40, 40)
+    )
+    make_image_folder(
+        root, splits=("val",), num_classes=2, images_per_class=2, size=(40, 40)
+    )
+    with pytest.raises(UserError, match="class folders of .*val differ"):
+        construct_test_loader(_cfg(root, tmp_path))
+
+
+def test_index_cache_written_in_out_dir(data_root, tmp_path):
+    cfg = _cfg(data_root, tmp_path)
+    construct_train_loader(cfg)
+    assert len(os.listdir(os.path.join(cfg.OUT_DIR, "data_index"))) == 1
+    cfg.DATA.INDEX_CACHE = False
+    cfg.OUT_DIR = str(tmp_path / "no_cache")
+    construct_train_loader(cfg)
+    assert not os.path.exists(cfg.OUT_DIR)
