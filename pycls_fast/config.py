@@ -431,7 +431,8 @@ _C.DATA_LOADER.MODE = "threads"
 # pycls_fast: abort when more than this fraction of images fail to decode
 _C.DATA_LOADER.MAX_BAD_FRAC = 0.01
 
-# pycls_fast: decoded batches buffered ahead of the training step, per process
+# pycls_fast: batches decoded or being decoded ahead of the training step, per process
+# (at least one per worker plus one)
 _C.DATA_LOADER.PREFETCH = 4
 
 # pycls_fast: log per-stage task time and queue occupancy every this many seconds

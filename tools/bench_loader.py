@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Loader benchmark: threaded (spdl) vs ideal vs torch DataLoader, images/s and memory.
+
+    python tools/bench_loader.py                  # `make bench-loader`
+    python tools/bench_loader.py --data /datasets/imagenet --images 4096 --workers 8
+
+On one image folder (generated photo-like 500x375 JPEGs unless --data is given), in one
+run, interleaved round by round (single, threads, processes, ...; medians):
+- single: the per-image work (decode, crop, resize, flip, write into the batch) in one
+  thread, no loader; the ideal is min(workers, cores) x this rate;
+- threads: DATA_LOADER.MODE threads (spdl pipeline, batch-level tasks);
+- threads-per-image: an spdl pipeline with one task per image (for comparison);
+- processes: DATA_LOADER.MODE processes (torch DataLoader, same work and workers).
+Each loader figure is a whole epoch over --images images, start-up included. Peak
+memory is measured afterwards, one fresh child process per mode: the peak over time of
+the summed PSS (proportional set size, shared pages split between processes) of the
+child and its worker processes, sampled every 20 ms.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from pycls_fast.config import get_cfg  # noqa: E402
+from pycls_fast.core.cli import UserError, run  # noqa: E402
+
+MODES = ("single", "threads", "threads-per-image", "processes")
+
+
+def _parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--data", default="", help="ImageNet-layout root (default: generate)"
+    )
+    p.add_argument(
+        "--gen-dir",
+        default="/tmp/pycls_fast_bench_loader",
+        help="where to generate the test images when --data is not given",
+    )
+    p.add_argument("--split", default="train", help="split folder to read")
+    p.add_argument("--images", type=int, default=2048, help="images per epoch")
+    p.add_argument("--batch-size", type=int, default=64, help="images per batch")
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="threads/procs")
+    p.add_argument("--im-size", type=int, default=224, help="TRAIN.IM_SIZE")
+    p.add_argument("--augment", default="", help="TRAIN.AUGMENT, e.g. AutoAugment")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory runs")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    return p
+
+
+def _cfg(args, root):
+    cfg = get_cfg()
+    cfg.DATA.PATH = root
+    cfg.TRAIN.SPLIT = args.split
+    cfg.DATA.INDEX_CACHE = False
+    cfg.TRAIN.IM_SIZE = args.im_size
+    cfg.TRAIN.AUGMENT = args.augment
+    cfg.TRAIN.BATCH_SIZE = args.batch_size
+    cfg.DATA_LOADER.NUM_WORKERS = args.workers
+    cfg.MODEL.NUM_CLASSES = 100_000
+    return cfg
+
+
+def _data_root(args):
+    if args.data:
+        return args.data
+    from pycls_fast.datasets.synthetic import make_image_folder
+
+    root = args.gen_dir
+    per_class, classes = 256, -(-args.images // 256)
+    stamp = os.path.join(root, f".complete_{classes}x{per_class}")
+    if not os.path.exists(stamp):
+        print(f"generating {classes * per_class} test JPEGs in {root} ...", flush=True)
+        make_image_folder(
+            root, splits=(args.split,), num_classes=classes, images_per_class=per_class
+        )
+        open(stamp, "w").close()
+    return root
+
+
+class Bench:
+    """The four ways of producing the same epoch of batches."""
+
+    def __init__(self, args, root):
+        from pycls_fast.datasets import loader, sharding
+
+        self.args = args
+        self.cfg = _cfg(args, root)
+        self.loader = loader.construct_train_loader(self.cfg)
+        num = min(args.images, len(self.loader.decoder.index))
+        if num < args.images:
+            raise UserError(f"{root}/{args.split} has only {num} images")
+        # The same `num` images, in one fixed shuffled order, for every mode.
+        batches = sharding.train_batches(num, args.batch_size, 0, 0, 0, 1)
+        self.batches = batches
+        self.loader.plan = lambda epoch: self.batches
+        self.decoder = self.loader.decoder
+        self.images = sum(len(b) for b in batches)
+
+    def run(self, mode):
+        """Runs one epoch in `mode`; returns images/s (start-up included)."""
+        t0 = time.perf_counter()
+        count = getattr(self, "_" + mode.replace("-", "_"))()
+        assert count == self.images, (mode, count)
+        return count / (time.perf_counter() - t0)
+
+    def _single(self):
+        return sum(len(self.decoder.load_batch(b, 0).labels) for b in self.batches)
+
+    def _threads(self):
+        self.loader.mode = "threads"
+        return sum(len(y) for _, y in self.loader)
+
+    def _processes(self):
+        self.loader.mode = "processes"
+        return sum(len(y) for _, y in self.loader)
+
+    def _threads_per_image(self):
+        from spdl.pipeline import PipelineBuilder
+
+        from pycls_fast.datasets.batch import make_batch
+
+        decoder = self.decoder
+
+        def collate(items):
+            return make_batch(np.stack(items), np.zeros(len(items)), [])
+
+        pipeline = (
+            PipelineBuilder()
+            .add_source(np.concatenate(self.batches).tolist())
+            .pipe(lambda i: decoder.load(i, 0), concurrency=self.args.workers)
+            .aggregate(self.args.batch_size)
+            .pipe(collate)
+            .add_sink(self.cfg.DATA_LOADER.PREFETCH)
+            .build(num_threads=self.args.workers)
+        )
+        with pipeline.auto_stop():
+            return sum(len(b.labels) for b in pipeline)
+
+
+def _tree_memory(proc):
+    """Summed PSS and RSS (bytes) of psutil process `proc` and its children."""
+    import psutil
+
+    pss = rss = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            info = p.memory_full_info()
+            pss, rss = pss + info.pss, rss + info.rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return pss, rss
+
+
+def _peak_memory(mode):
+    """Runs one epoch of `mode` in a fresh child process; returns peak (PSS, RSS) MB."""
+    import psutil
+
+    argv = [a for a in sys.argv[1:] if a != "--json"]
+    child = subprocess.Popen([sys.executable, __file__, *argv, "--child", mode])
+    proc = psutil.Process(child.pid)
+    peak_pss = peak_rss = 0
+    while child.poll() is None:
+        pss, rss = _tree_memory(proc)
+        peak_pss, peak_rss = max(peak_pss, pss), max(peak_rss, rss)
+        time.sleep(0.02)
+    if child.returncode:
+        raise RuntimeError(f"memory run of {mode} failed ({child.returncode})")
+    return peak_pss / 2**20, peak_rss / 2**20
+
+
+def _versions():
+    import PIL
+    import spdl
+    import torch
+    from PIL import features
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if "model name" in ln)
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pillow": PIL.__version__,
+        "libjpeg_turbo": features.version("libjpeg_turbo"),
+        "spdl": getattr(spdl, "__version__", "?"),
+    }
+
+
+def _table(args, rates, memory, info):
+    single = statistics.median(rates["single"])
+    cores_used = min(args.workers, os.cpu_count())
+    ideal = cores_used * single
+    procs = statistics.median(rates["processes"])
+    lines = [
+        f"{args.images} images, batch {args.batch_size}, {args.im_size} px train "
+        f"transforms{' + ' + args.augment if args.augment else ''}, "
+        f"{args.workers} workers, {args.rounds} interleaved rounds (median, min-max)",
+        f"{info['cpu']}, {info['cores']} cores; python {info['python']}, torch "
+        f"{info['torch']}, pillow {info['pillow']} (libjpeg-turbo "
+        f"{info['libjpeg_turbo']}), spdl {info['spdl']}",
+        "",
+        "| mode | images/s | / ideal | / processes | peak PSS MB | peak RSS sum MB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode in MODES:
+        r = rates[mode]
+        med = statistics.median(r)
+        pss, rss = memory.get(mode, (float("nan"), float("nan")))
+        lines.append(
+            f"| {mode} | {med:.0f} ({min(r):.0f}-{max(r):.0f}) | {med / ideal:.2f} | "
+            f"{med / procs:.2f} | {pss:.0f} | {rss:.0f} |"
+        )
+    lines.append(f"| ideal ({cores_used} x single) | {ideal:.0f} | 1.00 | | | |")
+    return "\n".join(lines), {
+        "single": single,
+        "ideal": ideal,
+        **{m: statistics.median(rates[m]) for m in MODES if m != "single"},
+        "threads_over_ideal": statistics.median(rates["threads"]) / ideal,
+        "threads_over_processes": statistics.median(rates["threads"]) / procs,
+        "peak_pss_mb": {m: v[0] for m, v in memory.items()},
+        **info,
+    }
+
+
+def main():
+    args = _parser().parse_args()
+    root = _data_root(args)
+    bench = Bench(args, root)
+    if args.child:
+        bench.run(args.child)
+        return 0
+    bench.run("threads")  # Warm the page cache and the code paths.
+    rates = {m: [] for m in MODES}
+    for r in range(args.rounds):
+        for mode in MODES:
+            rates[mode].append(bench.run(mode))
+        print(
+            f"round {r + 1}/{args.rounds}: "
+            + ", ".join(f"{m} {rates[m][-1]:.0f}" for m in MODES),
+            flush=True,
+        )
+    memory = {} if args.no_memory else {m: _peak_memory(m) for m in MODES}
+    table, record = _table(args, rates, memory, _versions())
+    print(table)
+    if args.json:
+        print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
