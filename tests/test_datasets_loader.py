@@ -179,3 +179,14 @@ def test_index_cache_written_in_out_dir(data_root, tmp_path):
     cfg.OUT_DIR = str(tmp_path / "no_cache")
     construct_train_loader(cfg)
     assert not os.path.exists(cfg.OUT_DIR)
+
+
+def test_resume_mid_epoch_skips_batches(data_root, tmp_path):
+    loader = construct_train_loader(_cfg(data_root, tmp_path))
+    full = _epoch(loader, 4)
+    loader.set_epoch(4, start_batch=3)
+    assert len(loader) == 1
+    rest = [(x.clone(), y.clone()) for x, y in loader]
+    assert len(rest) == 1 and torch.equal(rest[0][0], full[3][0])
+    loader.set_epoch(5)
+    assert len(loader) == 4

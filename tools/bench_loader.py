@@ -14,7 +14,8 @@ run, interleaved round by round (single, threads, processes, ...; medians):
 Each loader figure is a whole epoch over --images images, start-up included. Peak
 memory is measured afterwards, one fresh child process per mode: the peak over time of
 the summed PSS (proportional set size, shared pages split between processes) of the
-child and its worker processes, sampled every 20 ms.
+child and its worker processes, sampled every 20 ms; "idle" is a child that imports
+everything and builds the index but loads nothing.
 """
 
 import argparse
@@ -55,7 +56,7 @@ def _parser():
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--no-memory", action="store_true", help="skip the memory runs")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
-    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=(*MODES, "idle"), help=argparse.SUPPRESS)
     return p
 
 
@@ -111,6 +112,9 @@ class Bench:
     def run(self, mode):
         """Runs one epoch in `mode`; returns images/s (start-up included)."""
         t0 = time.perf_counter()
+        if mode == "idle":  # Memory baseline: everything imported, nothing decoded.
+            time.sleep(0.5)
+            return 0
         count = getattr(self, "_" + mode.replace("-", "_"))()
         assert count == self.images, (mode, count)
         return count / (time.perf_counter() - t0)
@@ -216,18 +220,21 @@ def _table(args, rates, memory, info):
         f"{info['torch']}, pillow {info['pillow']} (libjpeg-turbo "
         f"{info['libjpeg_turbo']}), spdl {info['spdl']}",
         "",
-        "| mode | images/s | / ideal | / processes | peak PSS MB | peak RSS sum MB |",
+        "| mode | images/s | / ideal | / processes | peak PSS MB (over idle) "
+        "| peak RSS sum MB |",
         "|---|---|---|---|---|---|",
     ]
+    idle = memory.get("idle", (float("nan"),))[0]
     for mode in MODES:
         r = rates[mode]
         med = statistics.median(r)
         pss, rss = memory.get(mode, (float("nan"), float("nan")))
         lines.append(
             f"| {mode} | {med:.0f} ({min(r):.0f}-{max(r):.0f}) | {med / ideal:.2f} | "
-            f"{med / procs:.2f} | {pss:.0f} | {rss:.0f} |"
+            f"{med / procs:.2f} | {pss:.0f} (+{pss - idle:.0f}) | {rss:.0f} |"
         )
     lines.append(f"| ideal ({cores_used} x single) | {ideal:.0f} | 1.00 | | | |")
+    lines.append(f"| idle (imports + index, no loading) | | | | {idle:.0f} | |")
     return "\n".join(lines), {
         "single": single,
         "ideal": ideal,
@@ -256,7 +263,9 @@ def main():
             + ", ".join(f"{m} {rates[m][-1]:.0f}" for m in MODES),
             flush=True,
         )
-    memory = {} if args.no_memory else {m: _peak_memory(m) for m in MODES}
+    memory = {}
+    if not args.no_memory:
+        memory = {m: _peak_memory(m) for m in ("idle", *MODES)}
     table, record = _table(args, rates, memory, _versions())
     print(table)
     if args.json:

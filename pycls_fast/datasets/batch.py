@@ -55,23 +55,54 @@ class ImageDecoder:
             raise RuntimeError(f"{path}: transform returned {arr.shape}")
         return arr
 
-    def load_batch(self, indices, epoch):
-        """Decodes `indices` (int array) into one Batch, skipping bad images.
+    def new_batch(self, indices):
+        """Returns an empty PartialBatch for `indices` (int array), to be filled."""
+        return PartialBatch(self, np.asarray(indices))
 
-        Writes each image straight into one preallocated (B, H, W, 3) buffer.
-        """
-        shape = (len(indices), *self.shape)
-        images = torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin_memory)
-        buf = images.numpy()
-        keep, bad = [], []
-        for i in indices:
-            out = self.load(i, epoch)
+    def load_batch(self, indices, epoch):
+        """Decodes `indices` (int array) into one Batch, skipping bad images."""
+        part = self.new_batch(indices)
+        part.fill(0, len(indices), epoch)
+        return part.finish()
+
+
+class PartialBatch:
+    """A batch being decoded, possibly by several threads at once (disjoint rows).
+
+    Images are written straight into one preallocated (B, H, W, 3) uint8 buffer, in
+    pinned memory when the decoder asks for it.
+    """
+
+    def __init__(self, decoder, indices):
+        self.decoder = decoder
+        self.indices = indices
+        shape = (len(indices), *decoder.shape)
+        self.images = torch.empty(
+            shape, dtype=torch.uint8, pin_memory=decoder.pin_memory
+        )
+        self.ok = np.ones(len(indices), dtype=bool)
+        self.bad = []
+        self.chunks_done = 0  # Counted by the (single) consumer of finished chunks.
+
+    def fill(self, start, stop, epoch):
+        """Decodes rows `start` to `stop` (exclusive) of the batch; returns self."""
+        buf = self.images.numpy()
+        for row in range(start, stop):
+            out = self.decoder.load(self.indices[row], epoch)
             if isinstance(out, tuple):
-                bad.append(out)
-                continue
-            buf[len(keep)] = out
-            keep.append(i)
-        return make_batch(images[: len(keep)], self.index.labels[keep], bad)
+                self.ok[row] = False
+                self.bad.append(out)  # list.append is atomic: safe across threads.
+            else:
+                buf[row] = out
+        return self
+
+    def finish(self):
+        """Returns the Batch of the decoded rows, without the bad ones."""
+        labels = self.decoder.index.labels[self.indices]
+        if self.ok.all():
+            return make_batch(self.images, labels, self.bad)
+        keep = torch.from_numpy(np.flatnonzero(self.ok))
+        return make_batch(self.images[keep], labels[self.ok], self.bad)
 
 
 def make_batch(images_nhwc, labels, bad):

@@ -54,16 +54,22 @@ class ImageLoader:
         self.max_bad_frac = max_bad_frac
         self.stats_period = stats_period
         self.epoch = 0
+        self.start_batch = 0
         self.bad_images = []
         self._stats = {}
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch, start_batch=0):
         """Selects the shuffle (and crop seeds) of `epoch`: deterministic per
-        (RNG_SEED, epoch), identical across runs and loader modes."""
+        (RNG_SEED, epoch), identical across runs and loader modes. `start_batch`
+        skips the epoch's first batches without decoding them (resuming mid-epoch)."""
         self.epoch = epoch
+        self.start_batch = start_batch
+
+    def _plan(self):
+        return self.plan(self.epoch)[self.start_batch :]
 
     def __len__(self):
-        return len(self.plan(self.epoch))
+        return len(self._plan())
 
     def _batches(self, batches):
         if self.num_workers == 0:  # Debugging: decode in the calling thread.
@@ -82,7 +88,7 @@ class ImageLoader:
         )
 
     def __iter__(self):
-        batches = self.plan(self.epoch)
+        batches = self._plan()
         budget = self.max_bad_frac * sum(len(b) for b in batches)
         self.bad_images = []
         wait, images, start = 0.0, 0, time.perf_counter()
