@@ -11,7 +11,9 @@ run, interleaved round by round (single, threads, processes, ...; medians):
 - threads: DATA_LOADER.MODE threads (spdl pipeline, batch-level tasks);
 - threads-per-image: an spdl pipeline with one task per image (for comparison);
 - processes: DATA_LOADER.MODE processes (torch DataLoader, same work and workers).
-Each loader figure is a whole epoch over --images images, start-up included. Peak
+Each loader figure is a whole epoch over --images images, start-up included; "CPU ms /
+image" is the CPU time of the process and its (finished) workers per image, which shows
+the overhead of each mode even when other jobs share the cores. Peak
 memory is measured afterwards, one fresh child process per mode: the peak over time of
 the summed PSS (proportional set size, shared pages split between processes) of the
 child and its worker processes, sampled every 20 ms; "idle" is a child that imports
@@ -48,7 +50,7 @@ def _parser():
         help="where to generate the test images when --data is not given",
     )
     p.add_argument("--split", default="train", help="split folder to read")
-    p.add_argument("--images", type=int, default=2048, help="images per epoch")
+    p.add_argument("--images", type=int, default=4096, help="images per epoch")
     p.add_argument("--batch-size", type=int, default=64, help="images per batch")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="threads/procs")
     p.add_argument("--im-size", type=int, default=224, help="TRAIN.IM_SIZE")
@@ -110,14 +112,16 @@ class Bench:
         self.images = sum(len(b) for b in batches)
 
     def run(self, mode):
-        """Runs one epoch in `mode`; returns images/s (start-up included)."""
-        t0 = time.perf_counter()
+        """Runs one epoch in `mode`; returns (images/s with start-up included, CPU ms
+        per image of this process and its finished worker processes)."""
         if mode == "idle":  # Memory baseline: everything imported, nothing decoded.
             time.sleep(0.5)
-            return 0
+            return 0.0, 0.0
+        t0, cpu0 = time.perf_counter(), _cpu_seconds()
         count = getattr(self, "_" + mode.replace("-", "_"))()
+        wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
         assert count == self.images, (mode, count)
-        return count / (time.perf_counter() - t0)
+        return count / wall, 1000 * cpu / count
 
     def _single(self):
         return sum(len(self.decoder.load_batch(b, 0).labels) for b in self.batches)
@@ -151,6 +155,12 @@ class Bench:
         )
         with pipeline.auto_stop():
             return sum(len(b.labels) for b in pipeline)
+
+
+def _cpu_seconds():
+    """User + system CPU time of this process and its reaped children (workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def _tree_memory(proc):
@@ -207,7 +217,7 @@ def _versions():
     }
 
 
-def _table(args, rates, memory, info):
+def _table(args, rates, cpu, memory, info):
     single = statistics.median(rates["single"])
     cores_used = min(args.workers, os.cpu_count())
     ideal = cores_used * single
@@ -220,9 +230,9 @@ def _table(args, rates, memory, info):
         f"{info['torch']}, pillow {info['pillow']} (libjpeg-turbo "
         f"{info['libjpeg_turbo']}), spdl {info['spdl']}",
         "",
-        "| mode | images/s | / ideal | / processes | peak PSS MB (over idle) "
-        "| peak RSS sum MB |",
-        "|---|---|---|---|---|---|",
+        "| mode | images/s | / ideal | / processes | CPU ms / image "
+        "| peak PSS MB (over idle) | peak RSS sum MB |",
+        "|---|---|---|---|---|---|---|",
     ]
     idle = memory.get("idle", (float("nan"),))[0]
     for mode in MODES:
@@ -231,16 +241,18 @@ def _table(args, rates, memory, info):
         pss, rss = memory.get(mode, (float("nan"), float("nan")))
         lines.append(
             f"| {mode} | {med:.0f} ({min(r):.0f}-{max(r):.0f}) | {med / ideal:.2f} | "
-            f"{med / procs:.2f} | {pss:.0f} (+{pss - idle:.0f}) | {rss:.0f} |"
+            f"{med / procs:.2f} | {statistics.median(cpu[mode]):.2f} | "
+            f"{pss:.0f} (+{pss - idle:.0f}) | {rss:.0f} |"
         )
-    lines.append(f"| ideal ({cores_used} x single) | {ideal:.0f} | 1.00 | | | |")
-    lines.append(f"| idle (imports + index, no loading) | | | | {idle:.0f} | |")
+    lines.append(f"| ideal ({cores_used} x single) | {ideal:.0f} | 1.00 | | | | |")
+    lines.append(f"| idle (imports + index, no loading) | | | | | {idle:.0f} | |")
     return "\n".join(lines), {
         "single": single,
         "ideal": ideal,
         **{m: statistics.median(rates[m]) for m in MODES if m != "single"},
         "threads_over_ideal": statistics.median(rates["threads"]) / ideal,
         "threads_over_processes": statistics.median(rates["threads"]) / procs,
+        "cpu_ms_per_image": {m: statistics.median(cpu[m]) for m in MODES},
         "peak_pss_mb": {m: v[0] for m, v in memory.items()},
         **info,
     }
@@ -254,19 +266,21 @@ def main():
         bench.run(args.child)
         return 0
     bench.run("threads")  # Warm the page cache and the code paths.
-    rates = {m: [] for m in MODES}
+    rates, cpu = {m: [] for m in MODES}, {m: [] for m in MODES}
     for r in range(args.rounds):
         for mode in MODES:
-            rates[mode].append(bench.run(mode))
+            rate, cpu_ms = bench.run(mode)
+            rates[mode].append(rate)
+            cpu[mode].append(cpu_ms)
         print(
             f"round {r + 1}/{args.rounds}: "
-            + ", ".join(f"{m} {rates[m][-1]:.0f}" for m in MODES),
+            + ", ".join(f"{m} {rates[m][-1]:.0f}/s" for m in MODES),
             flush=True,
         )
     memory = {}
     if not args.no_memory:
         memory = {m: _peak_memory(m) for m in ("idle", *MODES)}
-    table, record = _table(args, rates, memory, _versions())
+    table, record = _table(args, rates, cpu, memory, _versions())
     print(table)
     if args.json:
         print(json.dumps(record))
