@@ -36,21 +36,19 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _inputs(batch, heads, seq, head_d, dtype, device, grad):
+    """q, k, v as the model makes them: strided views of one fused projection."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    return [
-        torch.randn(batch, heads, seq, head_d, generator=g)
-        .to(device=device, dtype=dtype)
-        .requires_grad_(grad)
-        for _ in range(3)
-    ]
+    qkv = torch.randn(batch, seq, 3, heads, head_d, generator=g)
+    qkv = qkv.to(device=device, dtype=dtype).requires_grad_(grad)
+    return qkv
 
 
-def _step(kernel, qkv, backward):
-    out = attend(*qkv, kernel)
+def _step(kernel, qkv, backward, autocast):
+    with torch.autocast(qkv.device.type, dtype=qkv.dtype, enabled=autocast):
+        out = attend(*qkv.permute(2, 0, 3, 1, 4).unbind(0), kernel)
     if backward:
         out.backward(torch.ones_like(out))
-        for t in qkv:
-            t.grad = None
+        qkv.grad = None
 
 
 def _sync(device):
@@ -58,36 +56,42 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _time(kernel, qkv, backward, device, iters):
-    _sync(device)
+def _time(kernel, qkv, backward, autocast, iters):
+    _sync(qkv.device)
     start = time.perf_counter()
     for _ in range(iters):
-        _step(kernel, qkv, backward)
-    _sync(device)
+        _step(kernel, qkv, backward, autocast)
+    _sync(qkv.device)
     return (time.perf_counter() - start) / iters
 
 
-def _usable(kernel, qkv, backward):
+def _usable(kernel, qkv, backward, autocast):
     try:
-        _step(kernel, qkv, backward)
+        _step(kernel, qkv, backward, autocast)
         return True
     except RuntimeError:
         return False  # the backend does not support this device / dtype / shape
 
 
-def bench(shape, dtype, batch, reps, iters, device):
-    """Returns {kernel: {"fwd_ms", "fwdbwd_ms"}} medians for one shape and dtype."""
+def bench(shape, dtype_name, batch, reps, iters, device):
+    """Returns {kernel: {"fwd_ms", "fwdbwd_ms"}} medians for one shape and dtype.
+
+    A dtype name ending in '-autocast' runs the kernels under autocast (AMP O1), the
+    others on tensors of that dtype (fp32, or O2/O3 half-precision models).
+    """
     heads, seq, head_d = SHAPES[shape]
+    autocast = dtype_name.endswith("-autocast")
+    dtype = DTYPES[dtype_name.removesuffix("-autocast")]
     results = {}
     for backward, key in ((False, "fwd_ms"), (True, "fwdbwd_ms")):
         qkv = _inputs(batch, heads, seq, head_d, dtype, device, backward)
-        kernels = [k for k in KERNELS if _usable(k, qkv, backward)]
+        kernels = [k for k in KERNELS if _usable(k, qkv, backward, autocast)]
         times = {k: [] for k in kernels}
         for k in kernels:
-            _time(k, qkv, backward, device, 1)  # warm-up
+            _time(k, qkv, backward, autocast, 1)  # warm-up
         for _ in range(reps):
             for k in kernels:
-                times[k].append(_time(k, qkv, backward, device, iters))
+                times[k].append(_time(k, qkv, backward, autocast, iters))
         for k in kernels:
             results.setdefault(k, {})[key] = statistics.median(times[k]) * 1e3
     return results
@@ -96,7 +100,11 @@ def bench(shape, dtype, batch, reps, iters, device):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="vit-s,vit-b", help=",".join(SHAPES))
-    parser.add_argument("--dtypes", default="fp32,bf16", help=",".join(DTYPES))
+    parser.add_argument(
+        "--dtypes",
+        default="fp32,bf16,bf16-autocast",
+        help="comma-separated: fp32, bf16, fp16, each optionally with -autocast",
+    )
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions")
     parser.add_argument("--iters", type=int, default=3, help="calls per timing")
@@ -113,7 +121,7 @@ def main():
                 f"--shapes: unknown shape {name!r}; choose from {list(SHAPES)}"
             )
     for name in dtypes:
-        if name not in DTYPES:
+        if name.removesuffix("-autocast") not in DTYPES:
             raise UserError(
                 f"--dtypes: unknown dtype {name!r}; choose from {list(DTYPES)}"
             )
@@ -126,7 +134,7 @@ def main():
     best = {}
     for shape in shapes:
         for dname in dtypes:
-            res = bench(shape, DTYPES[dname], args.batch, args.reps, args.iters, device)
+            res = bench(shape, dname, args.batch, args.reps, args.iters, device)
             record[f"{shape}/{dname}"] = res
             ref = res["explicit"]
             print(f"\n{shape} (heads, seq, head_dim) = {SHAPES[shape]}, {dname}")

@@ -43,10 +43,16 @@ def resolve_kernel(kernel, device_type, dtype):
 
 
 def explicit_attention(q, k, v):
-    """softmax(q k^T / sqrt(d)) v; q, k, v: (batch, heads, seq, head_dim), any float."""
+    """softmax(q k^T / sqrt(d)) v; q, k, v: (batch, heads, seq, head_dim), one dtype.
+
+    Runs in the inputs' dtype even under autocast: autocast would compute the softmax
+    in fp32 and cast the (seq x seq) matrix back and forth, which costs more than the
+    attention itself on CPU. The softmax kernel accumulates in fp32 internally anyway.
+    """
     scale = q.shape[-1] ** -0.5
-    attn = torch.matmul(q * scale, k.transpose(-2, -1))
-    return torch.matmul(attn.softmax(dim=-1), v)
+    with torch.autocast(q.device.type, enabled=False):
+        attn = torch.matmul(q * scale, k.transpose(-2, -1))
+        return torch.matmul(attn.softmax(dim=-1), v)
 
 
 def attend(q, k, v, kernel="auto"):
