@@ -60,10 +60,10 @@ def _parser():
         "--max-foreign",
         type=float,
         default=0.15,
-        help="repeat a round in which other jobs used more CPU cores than this",
+        help="repeat a run during which other jobs used more CPU cores than this",
     )
     p.add_argument(
-        "--max-tries", type=int, default=40, help="give up repeating after this many"
+        "--max-tries", type=int, default=20, help="tries per run before keeping one"
     )
     p.add_argument("--no-memory", action="store_true", help="skip the memory runs")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
@@ -290,27 +290,28 @@ def main():
         return 0
     bench.run("threads")  # Warm the page cache and the code paths.
     rates, cpu = {m: [] for m in MODES}, {m: [] for m in MODES}
-    tries = 0
-    while len(rates["single"]) < args.rounds:
-        tries += 1
-        round_rates, round_cpu, foreign = {}, {}, 0.0
+    repeats, foreign_kept = 0, 0.0
+    for r in range(args.rounds):
         for mode in MODES:
-            round_rates[mode], round_cpu[mode] = bench.run(mode)
-            foreign = max(foreign, bench.foreign)
-        # A round during which other jobs took CPU is repeated, up to --max-tries.
-        keep = not foreign > args.max_foreign or tries > args.max_tries
+            # A run during which other jobs took CPU is repeated, --max-tries times.
+            for _ in range(args.max_tries):
+                rate, cpu_ms = bench.run(mode)
+                if not bench.foreign > args.max_foreign:
+                    break
+                repeats += 1
+            foreign_kept = max(foreign_kept, bench.foreign)
+            rates[mode].append(rate)
+            cpu[mode].append(cpu_ms)
         print(
-            f"round {tries}: "
-            + ", ".join(f"{m} {round_rates[m]:.0f}/s" for m in MODES)
-            + f"; other jobs used up to {foreign:.2f} cores"
-            + ("" if keep else " -> repeated"),
+            f"round {r + 1}/{args.rounds}: "
+            + ", ".join(f"{m} {rates[m][-1]:.0f}/s" for m in MODES)
+            + f" ({repeats} contended runs repeated so far)",
             flush=True,
         )
-        if keep:
-            for mode in MODES:
-                rates[mode].append(round_rates[mode])
-                cpu[mode].append(round_cpu[mode])
-    print(f"{args.rounds} rounds kept out of {tries}")
+    print(
+        f"other jobs used at most {foreign_kept:.2f} cores during the kept runs; "
+        f"{repeats} contended runs were repeated"
+    )
     memory = {}
     if not args.no_memory:
         memory = {m: _peak_memory(m) for m in ("idle", *MODES)}
