@@ -11,6 +11,7 @@ The pieces are plain functions too: `to_device`, `normalize`, `pca_lighting_offs
 `one_hot`, `mix_batch`.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -53,13 +54,19 @@ def normalize(images, mean=MEAN, std=STD, dtype=torch.float32, offsets=None):
     lighting). Computed in float32 and rounded once to `dtype`; the memory format
     (channels-last) is kept.
     """
-    dev = images.device
-    std_t = torch.tensor(std, dtype=torch.float32, device=dev)
-    scale = (1.0 / (255.0 * std_t)).view(1, 3, 1, 1)
-    shift = -torch.tensor(mean, dtype=torch.float32, device=dev)
+    std_t, scale, shift = _constants(tuple(mean), tuple(std), images.device)
     shift = shift.view(1, 3) if offsets is None else shift + offsets.float()
     bias = (shift / std_t).view(-1, 3, 1, 1)
     return torch.addcmul(bias, images.float(), scale).to(dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _constants(mean, std, device):
+    """std, 1 / (255 std) and -mean as float32 tensors on `device`, made once (a
+    tensor made from Python values on a GPU is a synchronous copy)."""
+    std_t = torch.tensor(std, dtype=torch.float32, device=device)
+    scale = (1.0 / (255.0 * std_t)).view(1, 3, 1, 1)
+    return std_t, scale, -torch.tensor(mean, dtype=torch.float32, device=device)
 
 
 def pca_lighting_offsets(batch_size, alpha_std, generator=None, device="cpu"):
