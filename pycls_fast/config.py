@@ -361,6 +361,9 @@ _C.TRAIN.EVAL_PERIOD = 1
 # Save a checkpoint every this many epochs
 _C.TRAIN.CHECKPOINT_PERIOD = 1
 
+# pycls_fast: also save a checkpoint every this many iterations (0: only per epoch)
+_C.TRAIN.CHECKPOINT_ITER_PERIOD = 0
+
 # Resume training from the newest complete checkpoint in OUT_DIR
 _C.TRAIN.AUTO_RESUME = True
 
@@ -404,6 +407,9 @@ _C.TEST.IM_SIZE = 256
 # Weights to evaluate
 _C.TEST.WEIGHTS = ""
 
+# pycls_fast: evaluate the EMA weights of TEST.WEIGHTS when the checkpoint has them
+_C.TEST.USE_EMA = False
+
 
 # ----------------------------------- Data options ----------------------------------- #
 # pycls_fast: where the images are.
@@ -411,6 +417,12 @@ _C.DATA = CfgNode()
 
 # Dataset root: one folder per split (TRAIN.SPLIT, TEST.SPLIT), one folder per class
 _C.DATA.PATH = ""
+
+# pycls_fast: random-resized-crop area range, as fractions of the image (timm's scale)
+_C.DATA.CROP_SCALE = [0.08, 1.0]
+
+# pycls_fast: probability of a horizontal flip of a train image
+_C.DATA.HFLIP = 0.5
 
 # Cache each split's file index in OUT_DIR/data_index (rescanned when a folder changes)
 _C.DATA.INDEX_CACHE = True
@@ -760,9 +772,14 @@ _NON_NEGATIVE = [
     "DATA_LOADER.NUM_WORKERS",
     "DATA_LOADER.STATS_PERIOD",
     "PREC_TIME.WARMUP_ITER",
+    "TRAIN.CHECKPOINT_ITER_PERIOD",
 ]
 
-_FRACTIONS = ["TRAIN.LABEL_SMOOTHING", "VIT.DROP_PATH", "DATA_LOADER.MAX_BAD_FRAC"]
+_FRACTIONS = [
+    "TRAIN.LABEL_SMOOTHING",
+    "VIT.DROP_PATH",
+    "DATA_LOADER.MAX_BAD_FRAC",
+]
 
 
 def _get(cfg, key):
@@ -790,6 +807,11 @@ def check_cfg(cfg):
         if not 0.0 <= _get(cfg, key) < 1.0:
             raise ConfigError(f"{key} must be in [0, 1), got {_get(cfg, key)!r}")
     _check_vit(cfg.VIT, cfg.TRAIN.IM_SIZE)
+    lo_hi = cfg.DATA.CROP_SCALE
+    if len(lo_hi) != 2 or not 0.0 < lo_hi[0] <= lo_hi[1] <= 1.0:
+        raise ConfigError(f"DATA.CROP_SCALE must be [min, max] in (0, 1], got {lo_hi}")
+    if not 0.0 <= cfg.DATA.HFLIP <= 1.0:
+        raise ConfigError(f"DATA.HFLIP must be in [0, 1], got {cfg.DATA.HFLIP}")
     if cfg.OPTIM.STEPS and cfg.OPTIM.STEPS[0] != 0:
         raise ConfigError(f"OPTIM.STEPS must start at 0, got {cfg.OPTIM.STEPS}")
     if cfg.OPTIM.LR_POLICY == "steps" and not cfg.OPTIM.STEPS:

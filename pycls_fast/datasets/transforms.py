@@ -92,9 +92,11 @@ def make_augment(augment, im_size):
 class TrainTransform:
     """Random-resized-crop + flip (+ augment) to `im_size` x `im_size` RGB."""
 
-    def __init__(self, im_size, augment=""):
+    def __init__(self, im_size, augment="", scale=(0.08, 1.0), hflip=0.5):
         self.out_size = (im_size, im_size)
         self.augment = make_augment(augment, im_size)
+        self.scale = tuple(scale)
+        self.hflip = hflip
 
     def __call__(self, im, rng):
         """`im`: an opened (not yet decoded) PIL image; `rng`: a `random.Random`.
@@ -103,9 +105,9 @@ class TrainTransform:
         from the global `random` module, so with TRAIN.AUGMENT set, results are not
         reproducible across runs of a multi-threaded loader.
         """
-        box = random_resized_crop_box(*im.size, rng)
+        box = random_resized_crop_box(*im.size, rng, scale=self.scale)
         im = crop_resize(im, box, self.out_size)
-        if rng.random() < 0.5:
+        if rng.random() < self.hflip:
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
         if self.augment is not None:
             im = self.augment(im)
@@ -129,5 +131,7 @@ def build_transform(cfg, train):
     """Returns the train (TRAIN.IM_SIZE, TRAIN.AUGMENT) or test (TEST.IM_SIZE, then
     TRAIN.IM_SIZE) transform of `cfg`."""
     if train:
-        return TrainTransform(cfg.TRAIN.IM_SIZE, cfg.TRAIN.AUGMENT)
+        return TrainTransform(
+            cfg.TRAIN.IM_SIZE, cfg.TRAIN.AUGMENT, cfg.DATA.CROP_SCALE, cfg.DATA.HFLIP
+        )
     return TestTransform(cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE)

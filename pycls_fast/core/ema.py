@@ -1,0 +1,43 @@
+"""Exponential moving average (EMA) of the model weights, with pycls's semantics."""
+
+import copy
+
+import torch
+
+
+def create_ema(model):
+    """Returns a frozen copy of `model` to hold the EMA weights (same dtypes)."""
+    ema = copy.deepcopy(model)
+    for p in ema.parameters():
+        p.requires_grad_(False)
+    return ema
+
+
+def ema_alpha(cfg, epoch):
+    """pycls's EMA update value, made fairly independent of batch size and length.
+
+    alpha = EMA_ALPHA * BATCH_SIZE / MAX_EPOCH * EMA_UPDATE_PERIOD (capped at 1); during
+    warmup the EMA simply copies the weights (alpha = 1).
+    """
+    adjust = cfg.TRAIN.BATCH_SIZE / cfg.OPTIM.MAX_EPOCH * cfg.OPTIM.EMA_UPDATE_PERIOD
+    alpha = min(1.0, cfg.OPTIM.EMA_ALPHA * adjust)
+    return 1.0 if epoch < cfg.OPTIM.WARMUP_EPOCHS else alpha
+
+
+@torch.no_grad()
+def update_ema(model, ema, alpha):
+    """ema <- (1 - alpha) * ema + alpha * model, over the whole state (buffers too)."""
+    ema_tensors = list(ema.state_dict().values())
+    tensors = list(model.state_dict().values())
+    floats = [(e, t) for e, t in zip(ema_tensors, tensors) if e.is_floating_point()]
+    if floats:
+        es, ts = zip(*floats)
+        torch._foreach_lerp_(list(es), [t.to(e.dtype) for e, t in floats], alpha)
+    for e, t in zip(ema_tensors, tensors):
+        if not e.is_floating_point():
+            e.copy_(t)
+
+
+def ema_enabled(cfg):
+    """Whether the config asks for an EMA model."""
+    return cfg.OPTIM.EMA_ALPHA > 0 and cfg.OPTIM.EMA_UPDATE_PERIOD > 0

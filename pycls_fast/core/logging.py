@@ -1,0 +1,74 @@
+"""Logging: a human log with ETA on stdout and in OUT_DIR/stdout.log, plus pycls's
+`json_stats: {...}` lines that plotting and parsing tools read.
+
+Only the main process (rank 0) writes; other ranks log warnings and errors only.
+"""
+
+import json
+import logging
+import os
+import sys
+
+_FORMAT = "[%(asctime)s][%(filename)s:%(lineno)d] %(message)s"
+LOG_FILE = "stdout.log"
+logger = logging.getLogger("pycls_fast")
+
+
+def setup_logging(out_dir, log_dest="stdout", is_main=True):
+    """Configures the root logger: stdout (if LOG_DEST is 'stdout') and
+    OUT_DIR/stdout.log, appended to so that a resumed run keeps its history."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(logging.INFO if is_main else logging.WARNING)
+    formatter = logging.Formatter(_FORMAT, datefmt="%m/%d %H:%M:%S")
+    handlers = []
+    if log_dest == "stdout" or not is_main:
+        handlers.append(logging.StreamHandler(sys.stdout))
+    if is_main:
+        os.makedirs(out_dir, exist_ok=True)
+        handlers.append(logging.FileHandler(os.path.join(out_dir, LOG_FILE)))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+
+
+def _json_value(v):
+    if isinstance(v, float):
+        return float(f"{v:.6g}")
+    return v
+
+
+def dump_json_stats(stats):
+    """Returns the `json_stats: {...}` line for a stats record (pycls's format)."""
+    stats = {k: _json_value(v) for k, v in stats.items()}
+    return f"json_stats: {json.dumps(stats, sort_keys=True)}"
+
+
+def log_json_stats(stats):
+    """Logs a stats record as a json_stats line."""
+    logger.info(dump_json_stats(stats), stacklevel=2)
+
+
+def load_json_stats(log_file):
+    """Reads every json_stats record of a log file, in order."""
+    records = []
+    with open(log_file) as f:
+        for line in f:
+            if "json_stats: " in line:
+                text = line.split("json_stats: ", 1)[1]
+                try:
+                    records.append(json.loads(text))
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a crash
+    return records
+
+
+def format_eta(seconds):
+    """'1d 02:03:04' style time."""
+    seconds = int(max(seconds, 0))
+    days, rest = divmod(seconds, 86400)
+    h, rest = divmod(rest, 3600)
+    m, s = divmod(rest, 60)
+    return f"{days}d {h:02d}:{m:02d}:{s:02d}" if days else f"{h:02d}:{m:02d}:{s:02d}"

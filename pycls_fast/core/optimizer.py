@@ -1,0 +1,133 @@
+"""Optimizers (multi-tensor apply or per-parameter loop) and learning-rate schedules.
+
+`construct_optimizer(params, cfg)` builds SGD / Adam / AdamW (torch) or LAMB (timm)
+with pycls's parameter groups: BN, LN and bias parameters may get their own weight
+decay. With OPTIM.MTA the update is one fused multi-tensor-apply kernel over each group
+(torch `foreach`, or `fused` where the device supports it); without, a Python loop over
+parameters (the baseline).
+
+`lr_at(cfg, epoch_float)` is pycls's schedule, evaluated at a fractional epoch so the
+learning rate moves every iteration (OPTIM.LR_PER_ITER; pycls updates once per epoch).
+"""
+
+import math
+
+import torch
+from torch import nn
+
+
+def param_groups(model, cfg):
+    """Splits trainable parameters into pycls's weight-decay groups.
+
+    Returns a list of {"params": [...], "weight_decay": wd, "name": ...}: BN and LN
+    parameters use BN/LN.CUSTOM_WEIGHT_DECAY when enabled, other biases use
+    OPTIM.BIAS_CUSTOM_WEIGHT_DECAY when enabled, the rest (class token and position
+    embeddings included, as in pycls) OPTIM.WEIGHT_DECAY.
+    """
+    wd = cfg.OPTIM.WEIGHT_DECAY
+    rules = {
+        "bn": (cfg.BN.USE_CUSTOM_WEIGHT_DECAY, cfg.BN.CUSTOM_WEIGHT_DECAY),
+        "ln": (cfg.LN.USE_CUSTOM_WEIGHT_DECAY, cfg.LN.CUSTOM_WEIGHT_DECAY),
+        "bias": (
+            cfg.OPTIM.BIAS_USE_CUSTOM_WEIGHT_DECAY,
+            cfg.OPTIM.BIAS_CUSTOM_WEIGHT_DECAY,
+        ),
+    }
+    groups = {"bn": [], "ln": [], "bias": [], "weights": []}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                groups["bn"].append(p)
+            elif isinstance(module, nn.LayerNorm):
+                groups["ln"].append(p)
+            elif name == "bias":
+                groups["bias"].append(p)
+            else:
+                groups["weights"].append(p)
+    out = []
+    for name, params in groups.items():
+        if not params:
+            continue
+        use_custom, custom_wd = rules.get(name, (False, wd))
+        out.append({"params": params, "weight_decay": custom_wd if use_custom else wd})
+        out[-1]["name"] = name
+    return out
+
+
+def _multi_tensor_kwargs(mta, params):
+    """foreach/fused flags: fused kernels on CUDA, foreach elsewhere, a loop if off."""
+    if not mta:
+        return {"foreach": False}
+    on_cuda = all(p.is_cuda for g in params for p in g["params"])
+    return {"fused": True} if on_cuda else {"foreach": True}
+
+
+def construct_optimizer(groups, cfg):
+    """Returns the OPTIM.OPTIMIZER optimizer over `groups` (from `param_groups`)."""
+    o = cfg.OPTIM
+    name = o.OPTIMIZER
+    if name == "sgd":
+        return torch.optim.SGD(
+            groups,
+            lr=o.BASE_LR,
+            momentum=o.MOMENTUM,
+            dampening=o.DAMPENING,
+            nesterov=o.NESTEROV,
+            **_multi_tensor_kwargs(o.MTA, groups),
+        )
+    if name in ("adam", "adamw"):
+        cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+        return cls(
+            groups,
+            lr=o.BASE_LR,
+            betas=(o.BETA1, o.BETA2),
+            **_multi_tensor_kwargs(o.MTA, groups),
+        )
+    if name == "lamb":
+        from timm.optim import Lamb
+
+        # timm's LAMB updates parameter by parameter; OPTIM.MTA does not change it.
+        return Lamb(groups, lr=o.BASE_LR, betas=(o.BETA1, o.BETA2))
+    raise ValueError(f"unknown OPTIM.OPTIMIZER {name!r}")
+
+
+def _lr_policy(o, epoch):
+    """pycls's lr policies at a (fractional) epoch, before warmup."""
+    if o.LR_POLICY == "cos":
+        # Cosine from BASE_LR down to MIN_LR * BASE_LR over MAX_EPOCH.
+        lr = 0.5 * (1.0 + math.cos(math.pi * epoch / o.MAX_EPOCH))
+        return o.BASE_LR * ((1.0 - o.MIN_LR) * lr + o.MIN_LR)
+    if o.LR_POLICY == "exp":
+        # Exponential from BASE_LR to MIN_LR * BASE_LR over MAX_EPOCH.
+        return o.BASE_LR * math.pow(o.MIN_LR, epoch / o.MAX_EPOCH)
+    if o.LR_POLICY == "lin":
+        lr = 1.0 - epoch / o.MAX_EPOCH
+        return o.BASE_LR * ((1.0 - o.MIN_LR) * lr + o.MIN_LR)
+    if o.LR_POLICY == "steps":
+        index = sum(1 for s in o.STEPS if s <= epoch) - 1
+        return o.BASE_LR * o.LR_MULT**index
+    raise ValueError(f"unknown OPTIM.LR_POLICY {o.LR_POLICY!r}")
+
+
+def lr_at(cfg, epoch):
+    """Learning rate at `epoch` (float: epoch + iter / iters_per_epoch), with warmup.
+
+    Warmup goes linearly from WARMUP_FACTOR to 1 over WARMUP_EPOCHS (pycls). With
+    OPTIM.LR_PER_ITER False the epoch is floored: pycls's once-per-epoch update.
+    """
+    o = cfg.OPTIM
+    if not o.LR_PER_ITER:
+        epoch = math.floor(epoch)
+    lr = _lr_policy(o, epoch)
+    if epoch < o.WARMUP_EPOCHS:
+        alpha = epoch / o.WARMUP_EPOCHS
+        lr *= o.WARMUP_FACTOR * (1.0 - alpha) + alpha
+    return lr
+
+
+def set_lr(optimizer, lr):
+    """Sets the learning rate of every parameter group."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr

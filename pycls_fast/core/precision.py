@@ -1,0 +1,199 @@
+"""Mixed precision: the AMP modes and what each does to the model, forward and step.
+
+- fp32: everything in fp32.
+- O1: autocast (matmuls in half precision), fp32 weights. pycls's
+  TRAIN.MIXED_PRECISION: True means this.
+- O2: half-precision model weights, fp32 master weights kept by the optimizer
+  (`MasterWeights`); LayerNorm stays fp32 when AMP.LAYER_NORM_FP32 (autocast keeps the
+  LayerNorm math in fp32 and the matmuls in half precision).
+- O3: everything in half precision, no master copy ("full FP16").
+
+fp16 uses dynamic loss scaling (`GradScaler`), bf16 needs none.
+"""
+
+import contextlib
+import enum
+
+import torch
+from torch import nn
+
+from pycls_fast.config import ConfigError
+
+
+class AmpMode(enum.Enum):
+    """The precision modes of AMP.MODE."""
+
+    FP32 = "fp32"
+    O1 = "O1"
+    O2 = "O2"
+    O3 = "O3"
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_amp(cfg):
+    """Returns (AmpMode, half dtype) from AMP.MODE and pycls's TRAIN.MIXED_PRECISION.
+
+    AMP.MODE '' follows TRAIN.MIXED_PRECISION (True: O1, False: fp32); an explicit
+    AMP.MODE wins, except 'fp32' with MIXED_PRECISION True, which the config check
+    rejects so that the two never disagree silently.
+    """
+    mode = cfg.AMP.MODE or ("O1" if cfg.TRAIN.MIXED_PRECISION else "fp32")
+    if mode == "fp32" and cfg.TRAIN.MIXED_PRECISION:
+        raise ConfigError("AMP.MODE is 'fp32' but TRAIN.MIXED_PRECISION is True")
+    return AmpMode(mode), DTYPES[cfg.AMP.DTYPE]
+
+
+def prepare_model(model, mode, dtype, layer_norm_fp32=True):
+    """Casts the model's parameters and buffers for `mode` (in place); returns it."""
+    if mode in (AmpMode.O2, AmpMode.O3):
+        model.to(dtype)
+        if mode is AmpMode.O2 and layer_norm_fp32:
+            for m in model.modules():
+                if isinstance(m, (nn.LayerNorm, nn.BatchNorm2d)):
+                    m.float()
+    return model
+
+
+def input_dtype(mode, dtype):
+    """The dtype images are normalized to for the model's first layer."""
+    return dtype if mode in (AmpMode.O2, AmpMode.O3) else torch.float32
+
+
+def autocast(device_type, mode, dtype):
+    """The autocast context of a forward pass in `mode`.
+
+    O1 autocasts; O2 autocasts too so that fp32 LayerNorms meet half-precision
+    activations (autocast runs layer_norm in fp32 and matmuls in half precision);
+    O3 and fp32 need none.
+    """
+    if mode in (AmpMode.O1, AmpMode.O2):
+        return torch.autocast(device_type, dtype=dtype)
+    return contextlib.nullcontext()
+
+
+class MasterWeights:
+    """fp32 master copies of half-precision parameters, for AMP O2.
+
+    The optimizer steps on the fp32 copies: `grads_to_master()` after backward,
+    `master_to_model()` after the step. Parameters already in fp32 (LayerNorm kept in
+    fp32) are used as they are.
+    """
+
+    def __init__(self, params):
+        self.model_params = [p for p in params if p.requires_grad]
+        self.master_params = [
+            p if p.dtype == torch.float32 else p.detach().float().requires_grad_()
+            for p in self.model_params
+        ]
+        self._pairs = [
+            (m, p) for m, p in zip(self.master_params, self.model_params) if m is not p
+        ]
+
+    def master_for(self, param):
+        """The fp32 parameter the optimizer should update in place of `param`."""
+        for m, p in zip(self.master_params, self.model_params):
+            if p is param:
+                return m
+        raise KeyError("not a trainable model parameter")
+
+    @torch.no_grad()
+    def grads_to_master(self):
+        """Copies the model's half-precision grads to the master params (as fp32)."""
+        for m, p in self._pairs:
+            if p.grad is None:
+                m.grad = None
+            elif m.grad is None:
+                m.grad = p.grad.float()
+            else:
+                m.grad.copy_(p.grad)
+            p.grad = None
+
+    @torch.no_grad()
+    def master_to_model(self):
+        """Copies the updated fp32 master weights back into the model."""
+        if self._pairs:
+            torch._foreach_copy_(
+                [p for _, p in self._pairs], [m for m, _ in self._pairs]
+            )
+
+    def state_dict(self):
+        return {"master": [m.detach().clone() for m, _ in self._pairs]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state):
+        for (m, _), saved in zip(self._pairs, state["master"]):
+            m.copy_(saved)
+        self.master_to_model()
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (all modes, O3's fp16 grads included).
+
+    `scale(loss)` before backward; `unscale_(params)` after it divides the grads by the
+    scale and returns True when any grad is inf/NaN (the step must then be skipped);
+    `update(found_inf)` halves the scale after an overflow and doubles it after
+    `growth_interval` clean steps. Disabled (bf16, fp32) it does nothing. Under
+    torch.distributed the overflow flag is reduced across ranks, so that all ranks
+    skip the same steps (sharded grads overflow on one rank only).
+    """
+
+    def __init__(self, enabled, init_scale=2.0**16, growth_interval=2000):
+        self.enabled = enabled
+        self.scale_value = init_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.clean_steps = 0
+        self.skipped_steps = 0
+
+    def scale(self, loss):
+        return loss * self.scale_value if self.enabled else loss
+
+    @torch.no_grad()
+    def unscale_(self, params):
+        """Unscales the grads of `params` in place; returns True on inf/NaN."""
+        if not self.enabled:
+            return False
+        grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        found_inf = torch.zeros(1, device=device)
+        inv_scale = torch.full((1,), 1.0 / self.scale_value, device=device)
+        by_dtype = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for group in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                group, found_inf, inv_scale
+            )
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
+        return bool(found_inf.item())
+
+    def update(self, found_inf):
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale_value /= 2.0
+            self.clean_steps = 0
+            self.skipped_steps += 1
+        else:
+            self.clean_steps += 1
+            if self.clean_steps % self.growth_interval == 0:
+                self.scale_value *= 2.0
+
+    def state_dict(self):
+        return {
+            "scale": self.scale_value,
+            "clean_steps": self.clean_steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state):
+        self.scale_value = state["scale"]
+        self.clean_steps = state["clean_steps"]
+        self.skipped_steps = state["skipped_steps"]
+
+
+def loss_scaler(dtype):
+    """The loss scaler for a half dtype: dynamic for fp16, disabled otherwise."""
+    return LossScaler(enabled=dtype == torch.float16)

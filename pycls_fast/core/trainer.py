@@ -1,0 +1,421 @@
+"""The training loop: config -> components -> epochs -> logs, checkpoints, metrics.
+
+    train_model(cfg)   # trains, evaluates every TRAIN.EVAL_PERIOD epochs; returns stats
+    test_model(cfg)    # evaluates TEST.WEIGHTS; returns stats
+
+Components are built by `build_components` from the config (model, precision, optimizer,
+loss scaler, EMA, loaders, device-side batch preparation); `train_epoch` and
+`test_epoch` own the inner loops. Every stats record goes to the log as a pycls
+`json_stats` line.
+"""
+
+import logging
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pycls_fast.config import dump_cfg
+from pycls_fast.core import checkpoint as ckpt
+from pycls_fast.core import distributed
+from pycls_fast.core.cli import UserError
+from pycls_fast.core.ema import create_ema, ema_alpha, ema_enabled, update_ema
+from pycls_fast.core.logging import format_eta, log_json_stats, setup_logging
+from pycls_fast.core.meters import EpochMeter, memory_mb, topk_errors
+from pycls_fast.core.optimizer import construct_optimizer, lr_at, param_groups, set_lr
+from pycls_fast.core.precision import (
+    AmpMode,
+    MasterWeights,
+    autocast,
+    input_dtype,
+    loss_scaler,
+    prepare_model,
+    resolve_amp,
+)
+from pycls_fast.datasets.device import DeviceBatchTransform
+from pycls_fast.datasets.loader import construct_test_loader, construct_train_loader
+from pycls_fast.models import build_model
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or inf: training stops instead of writing garbage."""
+
+
+@dataclass
+class Components:
+    """Everything a training run is made of (built once, from the config)."""
+
+    cfg: object
+    device: torch.device
+    mode: AmpMode
+    half: torch.dtype
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: object
+    master: MasterWeights | None = None
+    ema: torch.nn.Module | None = None
+    train_loader: object = None
+    test_loader: object = None
+    train_prep: DeviceBatchTransform | None = None
+    test_prep: DeviceBatchTransform | None = None
+    # The optimizer's parameters (fp32 masters under O2), for unscaling and clipping.
+    opt_params: list = field(default_factory=list)
+
+
+def seed_everything(seed):
+    """Seeds Python, numpy and torch: CPU runs are then bit-for-bit reproducible."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup_run(cfg):
+    """Creates OUT_DIR, sets up logging, writes OUT_DIR/config.yaml (main process)."""
+    try:
+        os.makedirs(cfg.OUT_DIR, exist_ok=True)
+        probe = os.path.join(cfg.OUT_DIR, f".write_test.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(
+            f"OUT_DIR {cfg.OUT_DIR} is not writable: {e.strerror}"
+        ) from None
+    setup_logging(cfg.OUT_DIR, cfg.LOG_DEST, distributed.is_main())
+    if distributed.is_main():
+        dump_cfg(cfg)
+    if torch.cuda.is_available():
+        torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
+
+
+def build_components(cfg, *, loaders=True):
+    """Builds the model, precision, optimizer, scaler, EMA and (optionally) loaders."""
+    device = distributed.device()
+    mode, half = resolve_amp(cfg)
+    model = build_model(cfg)
+    if cfg.TRAIN.WEIGHTS:
+        ckpt.load_model_weights(model, cfg.TRAIN.WEIGHTS, allow_missing_head=True)
+    model.to(device)
+    prepare_model(model, mode, half, cfg.AMP.LAYER_NORM_FP32)
+    groups = param_groups(model, cfg)
+    master = None
+    if mode is AmpMode.O2:
+        master = MasterWeights(model.parameters())
+        for g in groups:
+            g["params"] = [master.master_for(p) for p in g["params"]]
+    optimizer = construct_optimizer(groups, cfg)
+    parts = Components(
+        cfg=cfg,
+        device=device,
+        mode=mode,
+        half=half,
+        model=model,
+        optimizer=optimizer,
+        scaler=loss_scaler(half if mode is not AmpMode.FP32 else torch.float32),
+        master=master,
+        ema=create_ema(model) if ema_enabled(cfg) else None,
+        opt_params=[p for g in groups for p in g["params"]],
+    )
+    if loaders:
+        dtype = input_dtype(mode, half)
+        rank = distributed.rank()
+        parts.train_loader = construct_train_loader(cfg)
+        parts.test_loader = construct_test_loader(cfg)
+        parts.train_prep = DeviceBatchTransform(
+            cfg, device, dtype, train=True, rank=rank
+        )
+        parts.test_prep = DeviceBatchTransform(
+            cfg, device, dtype, train=False, rank=rank
+        )
+    return parts
+
+
+def train_step(parts, inputs, targets):
+    """One optimization step; returns (loss tensor, logits, step_skipped)."""
+    with autocast(parts.device.type, parts.mode, parts.half):
+        logits = parts.model(inputs)
+    loss = F.cross_entropy(logits.float(), targets)
+    parts.scaler.scale(loss).backward()
+    if parts.master is not None:
+        parts.master.grads_to_master()
+    found_inf = parts.scaler.unscale_(parts.opt_params)
+    if parts.cfg.OPTIM.GRAD_CLIP > 0 and not found_inf:
+        torch.nn.utils.clip_grad_norm_(parts.opt_params, parts.cfg.OPTIM.GRAD_CLIP)
+    if not found_inf:
+        parts.optimizer.step()
+        if parts.master is not None:
+            parts.master.master_to_model()
+    parts.scaler.update(found_inf)
+    parts.optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), logits.detach(), found_inf
+
+
+def _check_finite(parts, loss_value, epoch, it):
+    if math.isfinite(loss_value) or parts.scaler.enabled:
+        return  # fp16 loss scaling handles overflow by skipping the step
+    last = ckpt.last_checkpoint(parts.cfg.OUT_DIR) or "none yet"
+    hint = "lower OPTIM.BASE_LR"
+    if parts.half == torch.float16 and parts.mode is not AmpMode.FP32:
+        hint += ", or use AMP.DTYPE bf16"
+    raise NonFiniteLossError(
+        f"loss is {loss_value} at epoch {epoch + 1}, iteration {it + 1}; last good "
+        f"checkpoint: {last}; try: {hint}"
+    )
+
+
+def _progress(total, enabled):
+    """A tqdm bar when stdout is a terminal (main process), else None."""
+    if not (enabled and sys.stdout.isatty()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, leave=False, dynamic_ncols=True)
+
+
+def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
+    """Trains one epoch (from `start_iter`); returns its train_epoch stats record."""
+    cfg, model = parts.cfg, parts.model
+    loader = parts.train_loader
+    loader.set_epoch(epoch, start_batch=start_iter)
+    iters = start_iter + len(loader)
+    model.train()
+    meter = EpochMeter()
+    bar = _progress(iters - start_iter, distributed.is_main())
+    skipped, lr = 0, lr_at(cfg, epoch + start_iter / max(iters, 1))
+    for it, (images, labels) in enumerate(loader, start=start_iter):
+        lr = lr_at(cfg, epoch + it / iters)
+        set_lr(parts.optimizer, lr)
+        inputs, targets = parts.train_prep(images, labels)
+        loss, logits, found_inf = train_step(parts, inputs, targets)
+        skipped += int(found_inf)
+        hard = targets.argmax(dim=1) if targets.ndim == 2 else targets
+        top1, top5 = topk_errors(logits.float(), hard)
+        loss_value = loss.item()
+        _check_finite(parts, loss_value, epoch, it)
+        meter.add(loss_value, top1, top5, len(hard))
+        if parts.ema is not None and (it + 1) % cfg.OPTIM.EMA_UPDATE_PERIOD == 0:
+            update_ema(model, parts.ema, ema_alpha(cfg, epoch))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}")
+        if (it + 1) % cfg.LOG_PERIOD == 0:
+            _log_train_iter(parts, meter, epoch, it, iters, lr, skipped)
+        if on_iter_end is not None:
+            on_iter_end(epoch, it + 1, iters)
+    if bar is not None:
+        bar.close()
+    stats = meter.summary()
+    data = loader.stats()
+    record = {
+        "_type": "train_epoch",
+        "epoch": f"{epoch + 1}/{cfg.OPTIM.MAX_EPOCH}",
+        "loss": stats["loss"],
+        "top1_err": stats["top1_err"],
+        "top5_err": stats["top5_err"],
+        "lr": lr,
+        "img_per_s": stats["img_per_s"],
+        "data_wait_frac": data.get("data_wait_frac", 0.0),
+        "bad_images": data.get("bad_images", 0),
+        "skipped_steps": skipped,
+        "loss_scale": parts.scaler.scale_value,
+        "time_epoch_s": meter.elapsed(),
+        "mem_mb": memory_mb(parts.device),
+    }
+    log_json_stats(record)
+    return record
+
+
+def _log_train_iter(parts, meter, epoch, it, iters, lr, skipped):
+    cfg = parts.cfg
+    elapsed = meter.elapsed()
+    done = meter.iters
+    per_iter = elapsed / max(done, 1)
+    remaining = (iters - it - 1) + (cfg.OPTIM.MAX_EPOCH - epoch - 1) * iters
+    data = parts.train_loader.stats()
+    images = meter.count
+    log_json_stats(
+        {
+            "_type": "train_iter",
+            "epoch": f"{epoch + 1}/{cfg.OPTIM.MAX_EPOCH}",
+            "iter": f"{it + 1}/{iters}",
+            "loss": meter.loss_sum / max(images, 1),
+            "top1_err": meter.top1_sum / max(images, 1),
+            "top5_err": meter.top5_sum / max(images, 1),
+            "lr": lr,
+            "img_per_s": images * distributed.world_size() / max(elapsed, 1e-9),
+            "data_wait_frac": data.get("data_wait_frac", 0.0),
+            "skipped_steps": skipped,
+            "eta": format_eta(per_iter * remaining),
+            "mem_mb": memory_mb(parts.device),
+        }
+    )
+
+
+@torch.no_grad()
+def test_epoch(parts, model, epoch, kind="test_epoch"):
+    """Evaluates `model` on the test split; returns its stats record (`kind`)."""
+    cfg = parts.cfg
+    model.eval()
+    meter = EpochMeter()
+    for images, labels in parts.test_loader:
+        inputs, labels = parts.test_prep(images, labels)
+        with autocast(parts.device.type, parts.mode, parts.half):
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.float(), labels)
+        top1, top5 = topk_errors(logits.float(), labels)
+        meter.add(loss.item(), top1, top5, len(labels))
+    stats = meter.summary()
+    record = {
+        "_type": kind,
+        "epoch": f"{epoch + 1}/{cfg.OPTIM.MAX_EPOCH}",
+        "loss": stats["loss"],
+        "top1_err": stats["top1_err"],
+        "top5_err": stats["top5_err"],
+        "images": stats["images"],
+        "img_per_s": stats["img_per_s"],
+        "time_epoch_s": meter.elapsed(),
+        "mem_mb": memory_mb(parts.device),
+    }
+    log_json_stats(record)
+    return record
+
+
+def training_state(parts, epoch, iteration):
+    """The checkpoint dict of a run at (epoch, iteration into it)."""
+    state = {
+        "epoch": epoch,
+        "iter": iteration,
+        "model_state": parts.model.state_dict(),
+        "optimizer_state": parts.optimizer.state_dict(),
+        "scaler_state": parts.scaler.state_dict(),
+        "rng_state": ckpt.rng_state(),
+        "cfg": parts.cfg.dump(),
+    }
+    if parts.ema is not None:
+        state["ema_state"] = parts.ema.state_dict()
+    if parts.master is not None:
+        state["master_state"] = parts.master.state_dict()
+    if parts.train_prep is not None:
+        state["batch_rng_state"] = {
+            "numpy": parts.train_prep.rng.bit_generator.state,
+            "torch": parts.train_prep.generator.get_state(),
+        }
+    return state
+
+
+def restore(parts, state, path):
+    """Loads a checkpoint dict into the components; returns (epoch, iteration)."""
+    try:
+        parts.model.load_state_dict(state["model_state"])
+        parts.optimizer.load_state_dict(state["optimizer_state"])
+    except (KeyError, RuntimeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} does not fit this model/config: {first}"
+        ) from None
+    parts.scaler.load_state_dict(state["scaler_state"])
+    if parts.ema is not None and "ema_state" in state:
+        parts.ema.load_state_dict(state["ema_state"])
+    if parts.master is not None and "master_state" in state:
+        parts.master.load_state_dict(state["master_state"])
+    ckpt.set_rng_state(state["rng_state"])
+    if parts.train_prep is not None and "batch_rng_state" in state:
+        parts.train_prep.rng.bit_generator.state = state["batch_rng_state"]["numpy"]
+        parts.train_prep.generator.set_state(state["batch_rng_state"]["torch"])
+    return state["epoch"], state["iter"]
+
+
+def save(parts, epoch, iteration):
+    """Writes a checkpoint (main process); returns its path."""
+    if not distributed.is_main():
+        return None
+    try:
+        path = ckpt.save_checkpoint(
+            parts.cfg.OUT_DIR, training_state(parts, epoch, iteration), epoch, iteration
+        )
+    except OSError as e:
+        # No safety net means no training: stop rather than go on unprotected.
+        raise UserError(
+            f"cannot write a checkpoint to {ckpt.checkpoint_dir(parts.cfg.OUT_DIR)}: "
+            f"{e.strerror or e}; the previous checkpoints are intact"
+        ) from None
+    logger.info("wrote checkpoint %s", path)
+    return path
+
+
+def train_model(cfg):
+    """Trains per the config; returns the last {train, test[, test_ema]} records."""
+    setup_run(cfg)
+    seed_everything(cfg.RNG_SEED)
+    parts = build_components(cfg)
+    logger.info(
+        "model: %s params; precision %s/%s; %d train and %d test batches per epoch",
+        f"{sum(p.numel() for p in parts.model.parameters()):,}",
+        parts.mode.value,
+        str(parts.half).replace("torch.", ""),
+        len(parts.train_loader),
+        len(parts.test_loader),
+    )
+    start_epoch, start_iter = 0, 0
+    last = ckpt.last_checkpoint(cfg.OUT_DIR) if cfg.TRAIN.AUTO_RESUME else None
+    if last:
+        start_epoch, start_iter = restore(parts, ckpt.load_checkpoint(last), last)
+        logger.info(
+            "resumed from %s (epoch %d, iteration %d)",
+            last,
+            start_epoch + 1,
+            start_iter,
+        )
+    period = cfg.TRAIN.CHECKPOINT_ITER_PERIOD
+
+    def on_iter_end(epoch, done, iters):
+        if period and done % period == 0 and done < iters:
+            save(parts, epoch, done)
+
+    results = {}
+    for epoch in range(start_epoch, cfg.OPTIM.MAX_EPOCH):
+        t0 = time.perf_counter()
+        results["train"] = train_epoch(parts, epoch, start_iter, on_iter_end)
+        start_iter = 0
+        last_epoch = epoch + 1 == cfg.OPTIM.MAX_EPOCH
+        if (epoch + 1) % cfg.TRAIN.CHECKPOINT_PERIOD == 0 or last_epoch:
+            save(parts, epoch + 1, 0)
+        if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or last_epoch:
+            results["test"] = test_epoch(parts, parts.model, epoch)
+            if parts.ema is not None:
+                results["test_ema"] = test_epoch(
+                    parts, parts.ema, epoch, "test_ema_epoch"
+                )
+        logger.info("epoch %d done in %.1f s", epoch + 1, time.perf_counter() - t0)
+    return results
+
+
+def test_model(cfg):
+    """Evaluates TEST.WEIGHTS on the test split; returns the test_epoch record."""
+    setup_run(cfg)
+    seed_everything(cfg.RNG_SEED)
+    if not cfg.TEST.WEIGHTS:
+        raise UserError("TEST.WEIGHTS is empty: name the checkpoint to evaluate")
+    parts = build_components(cfg)
+    state = ckpt.load_checkpoint(cfg.TEST.WEIGHTS)
+    if "ema_state" in state and cfg.TEST.USE_EMA:
+        state = {"model_state": state["ema_state"]}
+    model = build_model(cfg)
+    try:
+        model.load_state_dict(ckpt.model_state_of(state))
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0]
+        raise ckpt.CheckpointError(
+            f"TEST.WEIGHTS {cfg.TEST.WEIGHTS} does not fit this model: {first}"
+        ) from None
+    model.to(parts.device)
+    prepare_model(model, parts.mode, parts.half, cfg.AMP.LAYER_NORM_FP32)
+    return test_epoch(parts, model, cfg.OPTIM.MAX_EPOCH - 1)

@@ -1,0 +1,162 @@
+"""The training loop end to end on the digits folder: learning, logs, checkpoints,
+exact resume, test_net, and the errors a user can cause."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pycls_fast.config import load_cfg
+from pycls_fast.core import checkpoint as ckpt
+from pycls_fast.core.logging import load_json_stats
+from pycls_fast.core.trainer import NonFiniteLossError, train_model
+from pycls_fast.datasets.digits import build_digits_folder
+
+from .conftest import ROOT
+
+DIGITS_CFG = os.path.join(ROOT, "configs/examples/vit_digits.yaml")
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    build_digits_folder(str(root), size=16)
+    return str(root)
+
+
+def _cfg(digits, out_dir, *opts):
+    """The demo config, shrunk: 16 px digits, 4 px patches, 2 blocks of width 32."""
+    return load_cfg(
+        DIGITS_CFG,
+        [
+            "DATA.PATH", digits, "OUT_DIR", str(out_dir),
+            "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
+            "VIT.NUM_LAYERS", "2", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
+            "TRAIN.BATCH_SIZE", "128", "TEST.BATCH_SIZE", "200",
+            "OPTIM.MAX_EPOCH", "3", "OPTIM.WARMUP_EPOCHS", "1",
+            "OPTIM.BASE_LR", "0.005", "TRAIN.CHECKPOINT_PERIOD", "1",
+            "LOG_PERIOD", "5", "DATA_LOADER.NUM_WORKERS", "2",
+            *opts,
+        ],
+    )  # fmt: skip
+
+
+def test_trains_logs_and_checkpoints(digits, tmp_path):
+    cfg = _cfg(
+        digits, tmp_path, "OPTIM.EMA_ALPHA", "1e-4", "OPTIM.EMA_UPDATE_PERIOD", "2"
+    )
+    results = train_model(cfg)
+    records = load_json_stats(tmp_path / "stdout.log")
+    kinds = [r["_type"] for r in records]
+    assert kinds.count("train_epoch") == 3 and kinds.count("test_epoch") == 3
+    assert kinds.count("test_ema_epoch") == 3 and "train_iter" in kinds
+    epochs = [r for r in records if r["_type"] == "train_epoch"]
+    for key in ("epoch", "top1_err", "top5_err", "loss", "lr", "img_per_s",
+                "data_wait_frac", "time_epoch_s", "mem_mb"):  # fmt: skip
+        assert key in epochs[0], key
+    assert epochs[-1]["loss"] < epochs[0]["loss"]
+    tests = [r for r in records if r["_type"] == "test_epoch"]
+    assert tests[-1]["images"] == 359  # every val image once
+    assert results["test"]["top1_err"] < 90.0  # better than chance after 3 epochs
+    assert os.path.isfile(tmp_path / "config.yaml")
+    names = [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path))]
+    assert names == [
+        "model_epoch_0001.pyth",
+        "model_epoch_0002.pyth",
+        "model_epoch_0003.pyth",
+    ]
+    state = torch.load(
+        tmp_path / "checkpoints/model_epoch_0003.pyth", weights_only=False
+    )
+    assert {"model_state", "optimizer_state", "ema_state", "rng_state"} <= set(state)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "O1"])
+def test_resume_mid_epoch_ends_with_identical_weights(digits, tmp_path, mode):
+    opts = ["AMP.MODE", mode, "TRAIN.MIXED_PRECISION", str(mode == "O1"),
+            "TRAIN.CHECKPOINT_ITER_PERIOD", "4", "TRAIN.MIXUP_ALPHA",
+            "0.2", "TRAIN.LABEL_SMOOTHING", "0.1", "VIT.DROP_PATH", "0.1"]  # fmt: skip
+    full = tmp_path / "full"
+    train_model(_cfg(digits, full, *opts))
+    # A crash right after the checkpoint 4 iterations into epoch 2: later files gone.
+    crashed = tmp_path / "crashed"
+    shutil.copytree(full, crashed)
+    paths = ckpt.list_checkpoints(str(crashed))  # oldest first
+    names = [os.path.basename(p) for p in paths]
+    keep = names.index("model_epoch_0002_iter_000004.pyth")
+    assert names[keep - 1 : keep + 2] == [
+        "model_epoch_0001.pyth",
+        "model_epoch_0002_iter_000004.pyth",
+        "model_epoch_0002_iter_000008.pyth",
+    ]
+    for path in paths[keep + 1 :]:
+        os.remove(path)
+    assert ckpt.last_checkpoint(str(crashed)).endswith(
+        "model_epoch_0002_iter_000004.pyth"
+    )
+    train_model(_cfg(digits, crashed, *opts))
+    a = torch.load(full / "checkpoints/model_epoch_0003.pyth", weights_only=False)
+    b = torch.load(crashed / "checkpoints/model_epoch_0003.pyth", weights_only=False)
+    for key in a["model_state"]:
+        assert torch.equal(a["model_state"][key], b["model_state"][key]), key
+    assert "resumed from" in (crashed / "stdout.log").read_text()
+
+
+def test_non_finite_loss_stops_with_a_hint(digits, tmp_path):
+    cfg = _cfg(digits, tmp_path, "OPTIM.BASE_LR", "1e30", "OPTIM.WARMUP_EPOCHS", "0")
+    with pytest.raises(NonFiniteLossError, match="lower OPTIM.BASE_LR"):
+        train_model(cfg)
+
+
+def _tool(name, *args):
+    cmd = [sys.executable, os.path.join(ROOT, "tools", name), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+SMALL = [
+    "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "VIT.NUM_LAYERS", "1",
+    "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64", "OPTIM.MAX_EPOCH", "1",
+]  # fmt: skip
+
+
+def test_train_net_and_test_net(digits, tmp_path):
+    out = str(tmp_path / "run")
+    common = ["--cfg", DIGITS_CFG, "DATA.PATH", digits, *SMALL]
+    result = _tool("train_net.py", *common, "OUT_DIR", out)
+    assert result.returncode == 0, result.stderr
+    assert "final top-1 accuracy:" in result.stdout
+    weights = os.path.join(out, "checkpoints", "model_epoch_0001.pyth")
+    result = _tool(
+        "test_net.py", *common, "OUT_DIR", out + "_test", "TEST.WEIGHTS", weights
+    )
+    assert result.returncode == 0, result.stderr
+    assert "(359 images)" in result.stdout
+    # Weights of another model: one clear line, exit 2.
+    result = _tool(
+        "test_net.py", *common, "VIT.HIDDEN_DIM", "48", "OUT_DIR", out + "_bad",
+        "TEST.WEIGHTS", weights,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert (
+        "does not fit this model" in result.stderr and "Traceback" not in result.stderr
+    )
+
+
+@pytest.mark.parametrize(
+    "opts, message",
+    [
+        (["DATA.PATH", "/nonexistent/data"], "/nonexistent/data"),
+        (["TEST.WEIGHTS", "/nonexistent/w.pyth"], "checkpoint not found"),
+        (["OUT_DIR", "/proc/nope"], "OUT_DIR /proc/nope is not writable"),
+    ],
+)
+def test_user_mistakes_are_one_line_exit_2(digits, tmp_path, opts, message):
+    tool = "test_net.py" if "TEST.WEIGHTS" in opts else "train_net.py"
+    args = ["--cfg", DIGITS_CFG, "DATA.PATH", digits, "OUT_DIR", str(tmp_path), *SMALL]
+    result = _tool(tool, *args, *opts)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr

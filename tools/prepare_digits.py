@@ -1,0 +1,26 @@
+#!/usr/bin/env python3
+"""Builds the demo dataset: python tools/prepare_digits.py [--root data/digits]."""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pycls_fast.core.cli import run  # noqa: E402
+from pycls_fast.datasets.digits import build_digits_folder  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split(":")[0])
+    parser.add_argument("--root", default="data/digits", help="output folder")
+    parser.add_argument("--size", type=int, default=32, help="image side in pixels")
+    args = parser.parse_args()
+    counts = build_digits_folder(args.root, args.size)
+    print(
+        f"{args.root}: {counts['train']} train, {counts['val']} val images, 10 classes"
+    )
+
+
+if __name__ == "__main__":
+    run(main)
