@@ -1,6 +1,7 @@
 """The training loop end to end on the digits folder: learning, logs, checkpoints,
 exact resume, test_net, and the errors a user can cause."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ from pycls_fast.datasets.digits import build_digits_folder
 from .conftest import ROOT
 
 DIGITS_CFG = os.path.join(ROOT, "configs/examples/vit_digits.yaml")
+TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
 
 
 @pytest.fixture(scope="session")
@@ -128,6 +130,10 @@ def test_train_net_and_test_net(digits, tmp_path):
     result = _tool("train_net.py", *common, "OUT_DIR", out)
     assert result.returncode == 0, result.stderr
     assert "final top-1 accuracy:" in result.stdout
+    result = _tool("plot_log.py", out)
+    assert result.returncode == 0, result.stderr
+    with open(os.path.join(out, "plots.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     weights = os.path.join(out, "checkpoints", "model_epoch_0001.pyth")
     result = _tool(
         "test_net.py", *common, "OUT_DIR", out + "_test", "TEST.WEIGHTS", weights
@@ -160,3 +166,25 @@ def test_user_mistakes_are_one_line_exit_2(digits, tmp_path, opts, message):
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_time_net_json(tmp_path):
+    result = _tool(
+        "time_net.py", "--cfg", TINY_CFG, "--json", "--loader-batches", "1",
+        "TRAIN.BATCH_SIZE", "8", "TEST.BATCH_SIZE", "8",
+        "PREC_TIME.NUM_ITER", "2", "PREC_TIME.WARMUP_ITER", "1",
+        "OUT_DIR", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("train_img_per_s", "test_img_per_s", "loader_img_per_s", "mfu"):
+        assert record[key] > 0, key
+    assert record["epoch_time_s"] == pytest.approx(
+        1_281_167 / min(record["train_img_per_s"], record["loader_img_per_s"])
+    )
+    assert 0 < record["mfu"] < 1
+
+
+def test_plot_log_without_a_log_is_a_clear_error(tmp_path):
+    result = _tool("plot_log.py", str(tmp_path))
+    assert result.returncode == 2 and "no log in" in result.stderr

@@ -22,9 +22,8 @@ def config_parser(description):
         "(see docs/CONFIG.md).",
     )
     parser.add_argument("--cfg", dest="cfg_file", required=True, help="config file")
-    parser.add_argument(
-        "opts", nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ..."
-    )
+    parser.add_argument("opts", nargs="*", help="config overrides: KEY VALUE ...")
+    parser.parse_args = parser.parse_intermixed_args  # options may follow KEY VALUE
     return parser
 
 

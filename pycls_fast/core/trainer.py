@@ -381,6 +381,13 @@ def train_model(cfg):
             save(parts, epoch, done)
 
     results = {}
+    if start_epoch >= cfg.OPTIM.MAX_EPOCH:
+        logger.info("all %d epochs are done: evaluating the final weights", start_epoch)
+        results["test"] = test_epoch(parts, parts.model, start_epoch - 1)
+        if parts.ema is not None:
+            results["test_ema"] = test_epoch(
+                parts, parts.ema, start_epoch - 1, "test_ema_epoch"
+            )
     for epoch in range(start_epoch, cfg.OPTIM.MAX_EPOCH):
         t0 = time.perf_counter()
         results["train"] = train_epoch(parts, epoch, start_iter, on_iter_end)
