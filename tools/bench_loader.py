@@ -17,9 +17,11 @@ Each loader figure is a whole epoch over --images images, start-up included; "CP
 image" is the CPU time of the process and its (finished) workers per image, which shows
 the overhead of each mode even when other jobs share the cores. Peak
 memory is measured afterwards, one fresh child process per mode: the peak over time of
-the summed PSS (proportional set size, shared pages split between processes) of the
-child and its worker processes, sampled every 20 ms; "idle" is a child that imports
-everything and builds the index but loads nothing.
+the anonymous + shared-memory PSS (proportional set size: pages shared between
+processes are split between them) summed over the child and its worker processes,
+sampled every 20 ms; "idle" is a child that imports everything and builds the index but
+loads nothing. RSS summed over the processes is shown too: it counts shared pages once
+per process, as `top` does.
 """
 
 import argparse
@@ -210,15 +212,26 @@ def _machine_busy():
 
 
 def _tree_memory(proc):
-    """Summed PSS and RSS (bytes) of psutil process `proc` and its children."""
+    """(anonymous + shared-memory PSS, RSS) in bytes, summed over psutil process
+    `proc` and its children.
+
+    PSS splits each page between the processes that map it, so summing it over a fork
+    tree counts the pages that workers share with their parent once. Only anonymous
+    and shmem pages count: file pages (torch's libraries) are also split with any
+    other job that maps them, which would make the figure depend on those jobs.
+    """
     import psutil
 
     pss = rss = 0
     for p in [proc, *proc.children(recursive=True)]:
         try:
-            info = p.memory_full_info()
-            pss, rss = pss + info.pss, rss + info.rss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            with open(f"/proc/{p.pid}/smaps_rollup") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            kb = int(fields["Pss_Anon"].split()[0]) + int(
+                fields["Pss_Shmem"].split()[0]
+            )
+            pss, rss = pss + kb * 1024, rss + p.memory_info().rss
+        except (OSError, KeyError, psutil.NoSuchProcess):
             pass
     return pss, rss
 
@@ -277,7 +290,7 @@ def _table(args, rates, cpu, memory, info):
         f"{info['libjpeg_turbo']}), spdl {info['spdl']}",
         "",
         "| mode | images/s | / ideal | / ceiling | / processes | CPU ms / image "
-        "| peak PSS MB (over idle) | peak RSS sum MB |",
+        "| peak anon PSS MB (over idle) | peak RSS sum MB |",
         "|---|---|---|---|---|---|---|---|",
     ]
     idle = memory.get("idle", (nan,))[0]
