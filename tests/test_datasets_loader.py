@@ -190,3 +190,16 @@ def test_resume_mid_epoch_skips_batches(data_root, tmp_path):
     assert len(rest) == 1 and torch.equal(rest[0][0], full[3][0])
     loader.set_epoch(5)
     assert len(loader) == 4
+
+
+def test_stage_stats_logged_on_request(data_root, tmp_path, caplog):
+    loader = construct_train_loader(
+        _cfg(data_root, tmp_path, DATA_LOADER__STATS_PERIOD=0.01)
+    )
+    with caplog.at_level(logging.INFO, logger="spdl.pipeline"):
+        _epoch(loader)
+    assert "decode_chunk" in caplog.text and "Occupancy rate" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="spdl.pipeline"):
+        _epoch(construct_train_loader(_cfg(data_root, tmp_path)))
+    assert "Occupancy rate" not in caplog.text  # off by default

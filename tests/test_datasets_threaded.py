@@ -42,3 +42,8 @@ def test_transform_error_stops_and_surfaces(index):
     decoder = ImageDecoder(index, Broken(16), 16, seed=0)
     with pytest.raises(BaseException, match="transform bug"):
         list(iterate_threaded(decoder, [np.arange(4)], 0, num_threads=2, prefetch=2))
+
+
+def test_no_batches_yields_nothing(index):
+    decoder = ImageDecoder(index, TrainTransform(16), 16, seed=0)
+    assert list(iterate_threaded(decoder, [], 0, num_threads=2, prefetch=2)) == []
