@@ -188,3 +188,41 @@ def test_time_net_json(tmp_path):
 def test_plot_log_without_a_log_is_a_clear_error(tmp_path):
     result = _tool("plot_log.py", str(tmp_path))
     assert result.returncode == 2 and "no log in" in result.stderr
+
+
+def test_grad_clip_bounds_the_update(digits, tmp_path):
+    from pycls_fast.core.trainer import build_components, train_step
+
+    cfg = _cfg(
+        digits, tmp_path, "OPTIM.GRAD_CLIP", "1e-3", "OPTIM.OPTIMIZER", "sgd",
+        "OPTIM.MOMENTUM", "0.0", "OPTIM.NESTEROV", "False", "OPTIM.BASE_LR", "1.0",
+        "OPTIM.WEIGHT_DECAY", "0.0", "AMP.MODE", "fp32", "TRAIN.MIXED_PRECISION", "False",
+    )  # fmt: skip
+    parts = build_components(cfg, loaders=False)
+    torch.nn.init.normal_(parts.model.head.head_fc.weight)
+    before = [p.detach().clone() for p in parts.model.parameters()]
+    images = torch.randn(8, 3, 16, 16)
+    train_step(parts, images, torch.arange(8))
+    moved = [
+        (p.detach() - b).flatten() for p, b in zip(parts.model.parameters(), before)
+    ]
+    # plain SGD, lr 1: the step is the clipped gradient, of global norm 1e-3
+    assert torch.cat(moved).norm().item() == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_bad_checkpoints_stop_the_run_and_keep_what_was_written(digits, tmp_path):
+    train_model(_cfg(digits, tmp_path, "OPTIM.MAX_EPOCH", "1"))
+    config_before = (tmp_path / "config.yaml").read_text()
+    last = tmp_path / "checkpoints" / "model_epoch_0001.pyth"
+    saved = last.read_bytes()
+    # Another model in the same OUT_DIR: refused, nothing overwritten.
+    with pytest.raises(ckpt.CheckpointError, match="does not fit this model"):
+        train_model(
+            _cfg(digits, tmp_path, "OPTIM.MAX_EPOCH", "2", "VIT.HIDDEN_DIM", "48")
+        )
+    assert last.read_bytes() == saved
+    assert (tmp_path / "config.yaml").read_text() == config_before
+    # A truncated file: one clear error naming it.
+    last.write_bytes(saved[: len(saved) // 2])
+    with pytest.raises(ckpt.CheckpointError, match="cannot read checkpoint .*0001"):
+        train_model(_cfg(digits, tmp_path, "OPTIM.MAX_EPOCH", "2"))

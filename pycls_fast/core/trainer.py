@@ -78,7 +78,7 @@ def seed_everything(seed):
 
 
 def setup_run(cfg):
-    """Creates OUT_DIR, sets up logging, writes OUT_DIR/config.yaml (main process)."""
+    """Creates OUT_DIR (checking it is writable) and sets up logging."""
     try:
         os.makedirs(cfg.OUT_DIR, exist_ok=True)
         probe = os.path.join(cfg.OUT_DIR, f".write_test.{os.getpid()}")
@@ -90,8 +90,6 @@ def setup_run(cfg):
             f"OUT_DIR {cfg.OUT_DIR} is not writable: {e.strerror}"
         ) from None
     setup_logging(cfg.OUT_DIR, cfg.LOG_DEST, distributed.is_main())
-    if distributed.is_main():
-        dump_cfg(cfg)
     if torch.cuda.is_available():
         torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
 
@@ -368,6 +366,9 @@ def train_model(cfg):
     last = ckpt.last_checkpoint(cfg.OUT_DIR) if cfg.TRAIN.AUTO_RESUME else None
     if last:
         start_epoch, start_iter = restore(parts, ckpt.load_checkpoint(last), last)
+    if distributed.is_main():
+        # Only now: a run that fails to start leaves the previous config.yaml as it was.
+        dump_cfg(cfg)
         logger.info(
             "resumed from %s (epoch %d, iteration %d)",
             last,
