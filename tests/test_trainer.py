@@ -196,7 +196,8 @@ def test_grad_clip_bounds_the_update(digits, tmp_path):
     cfg = _cfg(
         digits, tmp_path, "OPTIM.GRAD_CLIP", "1e-3", "OPTIM.OPTIMIZER", "sgd",
         "OPTIM.MOMENTUM", "0.0", "OPTIM.NESTEROV", "False", "OPTIM.BASE_LR", "1.0",
-        "OPTIM.WEIGHT_DECAY", "0.0", "AMP.MODE", "fp32", "TRAIN.MIXED_PRECISION", "False",
+        "OPTIM.WEIGHT_DECAY", "0.0", "AMP.MODE", "fp32",
+        "TRAIN.MIXED_PRECISION", "False",
     )  # fmt: skip
     parts = build_components(cfg, loaders=False)
     torch.nn.init.normal_(parts.model.head.head_fc.weight)
