@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from pycls_fast.core.checkpoint import save_atomically  # noqa: E402
 from pycls_fast.core.cli import UserError, cfg_from_args, config_parser, run  # noqa: E402
 from pycls_fast.models import build_model  # noqa: E402
 from pycls_fast.models.timm_compat import from_timm, to_timm  # noqa: E402
@@ -40,14 +41,6 @@ def load_weights(path):
         ) from None
 
 
-def save_atomically(obj, path):
-    """torch.save to a temporary file, then rename: never a half-written file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def main():
     parser = config_parser("Convert ViT weights between timm and pycls_fast.")
     parser.add_argument("--src", required=True, help="input weights file")
@@ -65,6 +58,7 @@ def main():
     args = parser.parse_args()
     cfg = cfg_from_args(args)
     weights = load_weights(args.src)
+    os.makedirs(os.path.dirname(os.path.abspath(args.dst)), exist_ok=True)
     if os.path.abspath(args.src) == os.path.abspath(args.dst):
         raise UserError(
             "--dst must differ from --src (the source is never overwritten)"

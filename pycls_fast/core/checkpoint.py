@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pycls_fast.core.cli import UserError
+from pycls_fast.models.timm_compat import unwrap_state_dict
 
 _NAME = re.compile(r"^model_epoch_(\d{4})(?:_iter_(\d{6}))?\.pyth$")
 
@@ -86,17 +87,23 @@ def save_checkpoint(out_dir, state, epoch, iteration=0):
     folder = checkpoint_dir(out_dir)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, checkpoint_name(epoch, iteration))
+    save_atomically(state, path)
+    return path
+
+
+def save_atomically(obj, path):
+    """torch.save to a temporary name, fsync, rename: a crash never leaves a
+    half-written file at `path`."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    return path
 
 
 def load_checkpoint(path):
@@ -110,17 +117,13 @@ def load_checkpoint(path):
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
 
 
-def model_state_of(checkpoint):
-    """The model weights inside a checkpoint dict (ours, pycls's, or a plain one)."""
-    for key in ("model_state", "state_dict", "model"):
-        if isinstance(checkpoint.get(key), dict):
-            return checkpoint[key]
-    return checkpoint
-
-
-def load_model_weights(model, path, *, allow_missing_head=False):
-    """Loads model weights from a checkpoint file; names the file on mismatch."""
-    state = model_state_of(load_checkpoint(path))
+def load_model_weights(model, path, *, allow_missing_head=False, use_ema=False):
+    """Loads model weights (the EMA weights with `use_ema`, when the checkpoint has
+    them) from a checkpoint file into `model`; names the file on mismatch."""
+    checkpoint = load_checkpoint(path)
+    if use_ema and "ema_state" in checkpoint:
+        checkpoint = checkpoint["ema_state"]
+    state = unwrap_state_dict(checkpoint)
     ours = model.state_dict()
     missing = [k for k in ours if k not in state]
     if allow_missing_head:

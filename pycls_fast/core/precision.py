@@ -87,16 +87,16 @@ class MasterWeights:
             p if p.dtype == torch.float32 else p.detach().float().requires_grad_()
             for p in self.model_params
         ]
+        self._by_param = {
+            id(p): m for p, m in zip(self.model_params, self.master_params)
+        }
         self._pairs = [
             (m, p) for m, p in zip(self.master_params, self.model_params) if m is not p
         ]
 
     def master_for(self, param):
         """The fp32 parameter the optimizer should update in place of `param`."""
-        for m, p in zip(self.master_params, self.model_params):
-            if p is param:
-                return m
-        raise KeyError("not a trainable model parameter")
+        return self._by_param[id(param)]
 
     @torch.no_grad()
     def grads_to_master(self):

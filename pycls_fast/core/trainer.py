@@ -94,8 +94,9 @@ def setup_run(cfg):
         torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
 
 
-def build_components(cfg, *, loaders=True):
-    """Builds the model, precision, optimizer, scaler, EMA and (optionally) loaders."""
+def build_components(cfg, *, loaders=("train", "test")):
+    """Builds the model, precision, optimizer, scaler, EMA and the loaders (and their
+    device-side batch preparation) of the splits named in `loaders`."""
     device = distributed.device()
     mode, half = resolve_amp(cfg)
     model = build_model(cfg)
@@ -122,17 +123,13 @@ def build_components(cfg, *, loaders=True):
         ema=create_ema(model) if ema_enabled(cfg) else None,
         opt_params=[p for g in groups for p in g["params"]],
     )
-    if loaders:
-        dtype = input_dtype(mode, half)
-        rank = distributed.rank()
+    dtype, rank = input_dtype(mode, half), distributed.rank()
+    if "train" in (loaders or ()):
         parts.train_loader = construct_train_loader(cfg)
+        parts.train_prep = DeviceBatchTransform(cfg, device, dtype, True, rank)
+    if "test" in (loaders or ()):
         parts.test_loader = construct_test_loader(cfg)
-        parts.train_prep = DeviceBatchTransform(
-            cfg, device, dtype, train=True, rank=rank
-        )
-        parts.test_prep = DeviceBatchTransform(
-            cfg, device, dtype, train=False, rank=rank
-        )
+        parts.test_prep = DeviceBatchTransform(cfg, device, dtype, False, rank)
     return parts
 
 
@@ -412,18 +409,7 @@ def test_model(cfg):
     seed_everything(cfg.RNG_SEED)
     if not cfg.TEST.WEIGHTS:
         raise UserError("TEST.WEIGHTS is empty: name the checkpoint to evaluate")
-    parts = build_components(cfg)
-    state = ckpt.load_checkpoint(cfg.TEST.WEIGHTS)
-    if "ema_state" in state and cfg.TEST.USE_EMA:
-        state = {"model_state": state["ema_state"]}
-    model = build_model(cfg)
-    try:
-        model.load_state_dict(ckpt.model_state_of(state))
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise ckpt.CheckpointError(
-            f"TEST.WEIGHTS {cfg.TEST.WEIGHTS} does not fit this model: {first}"
-        ) from None
-    model.to(parts.device)
-    prepare_model(model, parts.mode, parts.half, cfg.AMP.LAYER_NORM_FP32)
-    return test_epoch(parts, model, cfg.OPTIM.MAX_EPOCH - 1)
+    parts = build_components(cfg, loaders=("test",))
+    # load_state_dict copies into the model as built: on its device, in its dtypes.
+    ckpt.load_model_weights(parts.model, cfg.TEST.WEIGHTS, use_ema=cfg.TEST.USE_EMA)
+    return test_epoch(parts, parts.model, cfg.OPTIM.MAX_EPOCH - 1)
