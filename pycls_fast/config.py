@@ -546,8 +546,18 @@ _C.FSDP.DO_NOT_RESHARD_AFTER_FW = False
 # Older pycls FSDP key: half-precision FSDP compute (the AMP mode decides in pycls_fast)
 _C.FSDP.MIXED_PRECISION = False
 
-# pycls_fast: recompute each encoder block's activations in backward (saves memory)
+# pycls_fast: recompute each encoder block's activations in backward (saves memory);
+# also without FSDP
 _C.FSDP.ACTIVATION_CHECKPOINT = False
+
+
+# ------------------------------- Distributed options -------------------------------- #
+# pycls_fast: multi-process runs (see docs/DISTRIBUTED.md).
+_C.DIST = CfgNode()
+
+# Seconds a collective may wait for the other ranks before the job stops with an error
+# (a rank that died or hangs never stalls the others for longer)
+_C.DIST.TIMEOUT_S = 600
 
 
 # ----------------------------------- Misc options ----------------------------------- #
@@ -755,6 +765,7 @@ _POSITIVE = [
     "NUM_GPUS",
     "LOG_PERIOD",
     "PREC_TIME.NUM_ITER",
+    "DIST.TIMEOUT_S",
     "LN.EPS",
     "BN.EPS",
 ]

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Evaluates weights: python tools/test_net.py --cfg FILE TEST.WEIGHTS CKPT [KEY VALUE]
 
-KEY VALUE pairs override config keys."""
+KEY VALUE pairs override config keys. TEST.WEIGHTS is a checkpoint file or a sharded
+(FSDP) checkpoint directory. Runs under torchrun or with NUM_GPUS N like train_net."""
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pycls_fast.core import distributed  # noqa: E402
 from pycls_fast.core.cli import cfg_from_args, config_parser, run  # noqa: E402
 from pycls_fast.core.trainer import test_model  # noqa: E402
 
@@ -15,7 +17,9 @@ from pycls_fast.core.trainer import test_model  # noqa: E402
 def main():
     parser = config_parser("Evaluate TEST.WEIGHTS on DATA.PATH/TEST.SPLIT.")
     cfg = cfg_from_args(parser.parse_args())
-    record = test_model(cfg)
+    record = distributed.launch(test_model, cfg)
+    if record is None:  # not rank 0
+        return
     print(
         f"top-1 accuracy: {100.0 - record['top1_err']:.2f}%  "
         f"top-5 accuracy: {100.0 - record['top5_err']:.2f}%  "

@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""Trains a model: python tools/train_net.py --cfg FILE [KEY VALUE ...]."""
+"""Trains a model: python tools/train_net.py --cfg FILE [KEY VALUE ...]
+
+One process by default; `NUM_GPUS N` spawns N local processes (one per GPU, or sharing
+the CPU cores); under `torchrun --nproc_per_node N` each process is one rank."""
 
 import logging
 import os
@@ -7,24 +10,27 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pycls_fast.core.cli import UserError, cfg_from_args, config_parser, run  # noqa: E402
+from pycls_fast.core import distributed  # noqa: E402
+from pycls_fast.core.cli import cfg_from_args, config_parser, run  # noqa: E402
 from pycls_fast.core.trainer import train_model  # noqa: E402
+
+
+def train(cfg):
+    """Trains on this rank; a failure is also written to OUT_DIR/stdout.log."""
+    try:
+        return train_model(cfg)
+    except Exception as e:
+        if logging.getLogger().handlers:  # keep the reason in OUT_DIR/stdout.log too
+            logging.getLogger("pycls_fast").error("training stopped: %s", e)
+        raise
 
 
 def main():
     parser = config_parser("Train a model (logs, checkpoints and plots in OUT_DIR).")
     cfg = cfg_from_args(parser.parse_args())
-    if cfg.NUM_GPUS > 1 and int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        raise UserError(
-            f"NUM_GPUS is {cfg.NUM_GPUS}: multi-process training is not supported yet; "
-            "set NUM_GPUS 1"
-        )
-    try:
-        results = train_model(cfg)
-    except Exception as e:
-        if logging.getLogger().handlers:  # keep the reason in OUT_DIR/stdout.log too
-            logging.getLogger("pycls_fast").error("training stopped: %s", e)
-        raise
+    results = distributed.launch(train, cfg)
+    if results is None:  # not rank 0
+        return
     test = results.get("test", {})
     if test:
         print(f"final top-1 accuracy: {100.0 - test['top1_err']:.2f}%", flush=True)

@@ -7,7 +7,8 @@ states and the loader position (epoch, iteration), plus the config it was made w
 Names: `model_epoch_0003.pyth` after epoch 3 (1-based, as pycls names them), or
 `model_epoch_0003_iter_000200.pyth` for a checkpoint 200 iterations into epoch 3. A
 write goes to a temporary name and is renamed when complete, so a crash mid-write
-never leaves a file that looks like a checkpoint.
+never leaves a file that looks like a checkpoint. FSDP runs write sharded checkpoints
+instead, directories of the same names ending in `.dcp` (core/sharded_checkpoint.py).
 """
 
 import os
@@ -18,9 +19,10 @@ import numpy as np
 import torch
 
 from pycls_fast.core.cli import UserError
+from pycls_fast.core.sharded_checkpoint import is_sharded, read_model_state
 from pycls_fast.models.timm_compat import unwrap_state_dict
 
-_NAME = re.compile(r"^model_epoch_(\d{4})(?:_iter_(\d{6}))?\.pyth$")
+_NAME = re.compile(r"^model_epoch_(\d{4})(?:_iter_(\d{6}))?\.(pyth|dcp)$")
 
 
 class CheckpointError(UserError):
@@ -31,12 +33,12 @@ def checkpoint_dir(out_dir):
     return os.path.join(out_dir, "checkpoints")
 
 
-def checkpoint_name(epoch, iteration=0):
+def checkpoint_name(epoch, iteration=0, suffix=".pyth"):
     """File name of a checkpoint after `iteration` iterations of 0-based `epoch`
     (iteration 0: the end of the epoch before, named by 1-based epoch number)."""
     if iteration == 0:
-        return f"model_epoch_{epoch:04d}.pyth"
-    return f"model_epoch_{epoch + 1:04d}_iter_{iteration:06d}.pyth"
+        return f"model_epoch_{epoch:04d}{suffix}"
+    return f"model_epoch_{epoch + 1:04d}_iter_{iteration:06d}{suffix}"
 
 
 def _position(name):
@@ -53,7 +55,12 @@ def list_checkpoints(out_dir):
     folder = checkpoint_dir(out_dir)
     if not os.path.isdir(folder):
         return []
-    found = [(pos, n) for n in os.listdir(folder) if (pos := _position(n)) is not None]
+    found = [
+        (pos, n)
+        for n in os.listdir(folder)
+        if (pos := _position(n)) is not None
+        and (n.endswith(".pyth") or is_sharded(os.path.join(folder, n)))
+    ]
     return [os.path.join(folder, n) for _, n in sorted(found)]
 
 
@@ -119,11 +126,15 @@ def load_checkpoint(path):
 
 def load_model_weights(model, path, *, allow_missing_head=False, use_ema=False):
     """Loads model weights (the EMA weights with `use_ema`, when the checkpoint has
-    them) from a checkpoint file into `model`; names the file on mismatch."""
-    checkpoint = load_checkpoint(path)
-    if use_ema and "ema_state" in checkpoint:
-        checkpoint = checkpoint["ema_state"]
-    state = unwrap_state_dict(checkpoint)
+    them) from a checkpoint file or sharded checkpoint directory into `model` (not
+    yet sharded); names the file on mismatch."""
+    if is_sharded(path):
+        state = (use_ema and read_model_state(path, "ema")) or read_model_state(path)
+    else:
+        checkpoint = load_checkpoint(path)
+        if use_ema and "ema_state" in checkpoint:
+            checkpoint = checkpoint["ema_state"]
+        state = unwrap_state_dict(checkpoint)
     ours = model.state_dict()
     missing = [k for k in ours if k not in state]
     if allow_missing_head:

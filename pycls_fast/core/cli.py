@@ -43,6 +43,10 @@ def run(main):
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - the last line of defence for tools
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        sys.exit(1)
+        # Errors that carry their exit status (a failed rank of a spawned job) name
+        # what failed themselves.
+        code = getattr(e, "exit_code", None)
+        what = str(e) if code else f"{type(e).__name__}: {e}"
+        print(f"error: {what}", file=sys.stderr)
+        sys.exit(code or 1)
     sys.exit(code or 0)

@@ -4,6 +4,8 @@ import copy
 
 import torch
 
+from pycls_fast.core.distributed import local_tensor
+
 
 def create_ema(model):
     """Returns a frozen copy of `model` to hold the EMA weights (same dtypes)."""
@@ -27,8 +29,9 @@ def ema_alpha(cfg, epoch):
 @torch.no_grad()
 def update_ema(model, ema, alpha):
     """ema <- (1 - alpha) * ema + alpha * model, over the whole state (buffers too)."""
-    ema_tensors = list(ema.state_dict().values())
-    tensors = list(model.state_dict().values())
+    # FSDP: both are sharded alike, so each rank updates its own shards.
+    ema_tensors = [local_tensor(t) for t in ema.state_dict().values()]
+    tensors = [local_tensor(t) for t in model.state_dict().values()]
     floats = [(e, t) for e, t in zip(ema_tensors, tensors) if e.is_floating_point()]
     if floats:
         es, ts = zip(*floats)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pycls_fast.config import ConfigError
+from pycls_fast.core.distributed import local_tensor
 
 
 class AmpMode(enum.Enum):
@@ -154,7 +155,9 @@ class LossScaler:
         """Unscales the grads of `params` in place; returns True on inf/NaN."""
         if not self.enabled:
             return False
-        grads = [p.grad for p in params if p.grad is not None]
+        # FSDP's grads are DTensors: unscale this rank's shards (the overflow flag is
+        # reduced across ranks below).
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         found_inf = torch.zeros(1, device=device)
         inv_scale = torch.full((1,), 1.0 / self.scale_value, device=device)

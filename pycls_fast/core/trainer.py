@@ -3,10 +3,11 @@
     train_model(cfg)   # trains, evaluates every TRAIN.EVAL_PERIOD epochs; returns stats
     test_model(cfg)    # evaluates TEST.WEIGHTS; returns stats
 
-Components are built by `build_components` from the config (model, precision, optimizer,
-loss scaler, EMA, loaders, device-side batch preparation); `train_epoch` and
-`test_epoch` own the inner loops. Every stats record goes to the log as a pycls
-`json_stats` line.
+Components are built by `build_components` from the config (model, precision,
+parallel wrapper, optimizer, loss scaler, EMA, loaders, device-side batch preparation);
+`train_epoch` and `test_epoch` own the inner loops. Every stats record goes to the log
+as a pycls `json_stats` line. Under torch.distributed every rank runs the same loop on
+its shard of the data; metrics are reduced across ranks and rank 0 writes the logs.
 """
 
 import logging
@@ -20,15 +21,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pycls_fast.config import dump_cfg
 from pycls_fast.core import checkpoint as ckpt
 from pycls_fast.core import distributed
+from pycls_fast.core import sharded_checkpoint as sharded
 from pycls_fast.core.cli import UserError
 from pycls_fast.core.ema import create_ema, ema_alpha, ema_enabled, update_ema
 from pycls_fast.core.logging import format_eta, log_json_stats, setup_logging
 from pycls_fast.core.meters import EpochMeter, memory_mb, topk_errors
 from pycls_fast.core.optimizer import construct_optimizer, lr_at, param_groups, set_lr
+from pycls_fast.core.parallel import fsdp_enabled, parallelize, shard_model, unwrap
 from pycls_fast.core.precision import (
     AmpMode,
     MasterWeights,
@@ -57,7 +61,10 @@ class Components:
     device: torch.device
     mode: AmpMode
     half: torch.dtype
+    # The module trained (a DDP wrapper, or the model sharded in place by FSDP) and
+    # the model inside it (evaluated, updated into the EMA, saved).
     model: torch.nn.Module
+    module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: object
     master: MasterWeights | None = None
@@ -94,19 +101,30 @@ def setup_run(cfg):
         torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
 
 
-def build_components(cfg, *, loaders=("train", "test")):
-    """Builds the model, precision, optimizer, scaler, EMA and the loaders (and their
-    device-side batch preparation) of the splits named in `loaders`."""
+def build_components(cfg, *, loaders=("train", "test"), weights=None, use_ema=False):
+    """Builds the model, precision, parallel wrapper, optimizer, scaler, EMA and the
+    loaders (and their device-side batch preparation) of the splits named in
+    `loaders`. `weights`: a checkpoint to load into the model before it is wrapped
+    (its EMA weights with `use_ema`)."""
     device = distributed.device()
     mode, half = resolve_amp(cfg)
     model = build_model(cfg)
     if cfg.TRAIN.WEIGHTS:
         ckpt.load_model_weights(model, cfg.TRAIN.WEIGHTS, allow_missing_head=True)
+    if weights:
+        ckpt.load_model_weights(model, weights, use_ema=use_ema)
     model.to(device)
-    prepare_model(model, mode, half, cfg.AMP.LAYER_NORM_FP32)
+    fsdp = fsdp_enabled(cfg)
+    if not (fsdp and mode is AmpMode.O2):
+        # FSDP O2 keeps fp32 shards (the master weights) and casts when gathering.
+        prepare_model(model, mode, half, cfg.AMP.LAYER_NORM_FP32)
+    ema = create_ema(model) if ema_enabled(cfg) else None
+    if ema is not None and fsdp:
+        shard_model(ema, cfg, mode, half)  # sharded like the model
+    trained = parallelize(model, cfg, mode, half, device)
     groups = param_groups(model, cfg)
     master = None
-    if mode is AmpMode.O2:
+    if mode is AmpMode.O2 and not fsdp:
         master = MasterWeights(model.parameters())
         for g in groups:
             g["params"] = [master.master_for(p) for p in g["params"]]
@@ -116,11 +134,12 @@ def build_components(cfg, *, loaders=("train", "test")):
         device=device,
         mode=mode,
         half=half,
-        model=model,
+        model=trained,
+        module=unwrap(trained),
         optimizer=optimizer,
         scaler=loss_scaler(half if mode is not AmpMode.FP32 else torch.float32),
         master=master,
-        ema=create_ema(model) if ema_enabled(cfg) else None,
+        ema=ema,
         opt_params=[p for g in groups for p in g["params"]],
     )
     dtype, rank = input_dtype(mode, half), distributed.rank()
@@ -197,7 +216,7 @@ def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
         _check_finite(parts, loss_value, epoch, it)
         meter.add(loss_value, top1, top5, len(hard))
         if parts.ema is not None and (it + 1) % cfg.OPTIM.EMA_UPDATE_PERIOD == 0:
-            update_ema(model, parts.ema, ema_alpha(cfg, epoch))
+            update_ema(parts.module, parts.ema, ema_alpha(cfg, epoch))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}")
@@ -235,23 +254,41 @@ def _log_train_iter(parts, meter, epoch, it, iters, lr, skipped):
     per_iter = elapsed / max(done, 1)
     remaining = (iters - it - 1) + (cfg.OPTIM.MAX_EPOCH - epoch - 1) * iters
     data = parts.train_loader.stats()
-    images = meter.count
+    loss, top1, top5, images = distributed.all_reduce_sum(
+        [meter.loss_sum, meter.top1_sum, meter.top5_sum, float(meter.count)]
+    )
+    images = max(images, 1.0)
     log_json_stats(
         {
             "_type": "train_iter",
             "epoch": f"{epoch + 1}/{cfg.OPTIM.MAX_EPOCH}",
             "iter": f"{it + 1}/{iters}",
-            "loss": meter.loss_sum / max(images, 1),
-            "top1_err": meter.top1_sum / max(images, 1),
-            "top5_err": meter.top5_sum / max(images, 1),
+            "loss": loss / images,
+            "top1_err": top1 / images,
+            "top5_err": top5 / images,
             "lr": lr,
-            "img_per_s": images * distributed.world_size() / max(elapsed, 1e-9),
+            "img_per_s": images / max(elapsed, 1e-9),
             "data_wait_frac": data.get("data_wait_frac", 0.0),
             "skipped_steps": skipped,
             "eta": format_eta(per_iter * remaining),
             "mem_mb": memory_mb(parts.device),
         }
     )
+
+
+def _pad_sharded_forwards(parts, model, done):
+    """FSDP: every rank must run as many forwards as the others (each gathers the
+    parameters with collectives), but test shards may differ by one batch; ranks
+    short of the most run forwards on a blank image, whose output is dropped."""
+    if not fsdp_enabled(parts.cfg):
+        return
+    most = int(distributed.all_reduce_max([float(done)])[0])
+    size = parts.cfg.TRAIN.IM_SIZE
+    dtype = input_dtype(parts.mode, parts.half)
+    blank = torch.zeros(1, 3, size, size, dtype=dtype, device=parts.device)
+    for _ in range(most - done):
+        with autocast(parts.device.type, parts.mode, parts.half):
+            model(blank)
 
 
 @torch.no_grad()
@@ -267,6 +304,7 @@ def test_epoch(parts, model, epoch, kind="test_epoch"):
         loss = F.cross_entropy(logits.float(), labels)
         top1, top5 = topk_errors(logits.float(), labels)
         meter.add(loss.item(), top1, top5, len(labels))
+    _pad_sharded_forwards(parts, model, meter.iters)
     stats = meter.summary()
     record = {
         "_type": kind,
@@ -283,21 +321,19 @@ def test_epoch(parts, model, epoch, kind="test_epoch"):
     return record
 
 
-def training_state(parts, epoch, iteration):
-    """The checkpoint dict of a run at (epoch, iteration into it)."""
-    state = {
+def _meta(parts, epoch, iteration):
+    """What every rank shares in a checkpoint: position, loss scale, config."""
+    return {
         "epoch": epoch,
         "iter": iteration,
-        "model_state": parts.model.state_dict(),
-        "optimizer_state": parts.optimizer.state_dict(),
         "scaler_state": parts.scaler.state_dict(),
-        "rng_state": ckpt.rng_state(),
         "cfg": parts.cfg.dump(),
     }
-    if parts.ema is not None:
-        state["ema_state"] = parts.ema.state_dict()
-    if parts.master is not None:
-        state["master_state"] = parts.master.state_dict()
+
+
+def _rank_state(parts):
+    """What each rank has of its own: the RNG states (global and device batches)."""
+    state = {"rng_state": ckpt.rng_state()}
     if parts.train_prep is not None:
         state["batch_rng_state"] = {
             "numpy": parts.train_prep.rng.bit_generator.state,
@@ -306,22 +342,74 @@ def training_state(parts, epoch, iteration):
     return state
 
 
-def restore(parts, state, path):
-    """Loads a checkpoint dict into the components; returns (epoch, iteration)."""
-    try:
-        parts.model.load_state_dict(state["model_state"])
-        parts.optimizer.load_state_dict(state["optimizer_state"])
-    except (KeyError, RuntimeError, ValueError) as e:
-        first = str(e).strip().splitlines()[0]
-        raise ckpt.CheckpointError(
-            f"checkpoint {path} does not fit this model/config: {first}"
-        ) from None
+def training_state(parts, epoch, iteration):
+    """The single-file checkpoint dict of a run at (epoch, iteration into it). Under
+    DDP it holds every rank's RNG states (`rank_states`), gathered on all ranks."""
+    rank_states = distributed.all_gather_object(_rank_state(parts))
+    state = {
+        **_meta(parts, epoch, iteration),
+        **rank_states[0],
+        "model_state": parts.module.state_dict(),
+        "optimizer_state": parts.optimizer.state_dict(),
+        "world_size": len(rank_states),
+    }
+    if len(rank_states) > 1:
+        state["rank_states"] = rank_states
+    if parts.ema is not None:
+        state["ema_state"] = parts.ema.state_dict()
+    if parts.master is not None:
+        state["master_state"] = parts.master.state_dict()
+    return state
+
+
+def _wrong_layout(path, sharded_file):
+    how = "FSDP.ENABLED True" if sharded_file else "FSDP.ENABLED False"
+    return ckpt.CheckpointError(
+        f"checkpoint {path} was written by a run with {how}: resume with that "
+        "setting, or start a new OUT_DIR from its weights (TRAIN.WEIGHTS; "
+        "tools/consolidate_checkpoint.py makes one file of a sharded checkpoint)"
+    )
+
+
+def _mismatch(path, e):
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ckpt.CheckpointError(
+        f"checkpoint {path} does not fit this model/config: {first}"
+    )
+
+
+def restore(parts, path):
+    """Loads the checkpoint at `path` (file or sharded directory) into the
+    components; returns (epoch, iteration)."""
+    if sharded.is_sharded(path) != fsdp_enabled(parts.cfg):
+        raise _wrong_layout(path, sharded.is_sharded(path))
+    if sharded.is_sharded(path):
+        try:
+            meta, own = sharded.load(path, parts.model, parts.optimizer, parts.ema)
+        except sharded.ShardedCheckpointError as e:
+            raise ckpt.CheckpointError(str(e)) from None
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise _mismatch(path, e) from None
+        state = {**meta, **(own or {})}
+    else:
+        state = ckpt.load_checkpoint(path)
+        try:
+            parts.module.load_state_dict(state["model_state"])
+            parts.optimizer.load_state_dict(state["optimizer_state"])
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise _mismatch(path, e) from None
+        if parts.ema is not None and "ema_state" in state:
+            parts.ema.load_state_dict(state["ema_state"])
+        if parts.master is not None and "master_state" in state:
+            parts.master.load_state_dict(state["master_state"])
+        ranks = state.get("rank_states")
+        if ranks and len(ranks) == distributed.world_size():
+            state.update(ranks[distributed.rank()])
     parts.scaler.load_state_dict(state["scaler_state"])
-    if parts.ema is not None and "ema_state" in state:
-        parts.ema.load_state_dict(state["ema_state"])
-    if parts.master is not None and "master_state" in state:
-        parts.master.load_state_dict(state["master_state"])
-    ckpt.set_rng_state(state["rng_state"])
+    # RNG streams continue where they were when the world size is unchanged; at
+    # another world size the ranks' streams start afresh from RNG_SEED.
+    if "rng_state" in state:
+        ckpt.set_rng_state(state["rng_state"])
     if parts.train_prep is not None and "batch_rng_state" in state:
         parts.train_prep.rng.bit_generator.state = state["batch_rng_state"]["numpy"]
         parts.train_prep.generator.set_state(state["batch_rng_state"]["torch"])
@@ -329,49 +417,78 @@ def restore(parts, state, path):
 
 
 def save(parts, epoch, iteration):
-    """Writes a checkpoint (main process); returns its path."""
-    if not distributed.is_main():
-        return None
+    """Writes a checkpoint (every rank takes part); returns its path on rank 0.
+
+    FSDP: a sharded directory that every rank writes its part of. Otherwise one file
+    that rank 0 writes. A failed write stops every rank with the same error."""
+    cfg = parts.cfg
+    folder = ckpt.checkpoint_dir(cfg.OUT_DIR)
+    error = None
     try:
-        path = ckpt.save_checkpoint(
-            parts.cfg.OUT_DIR, training_state(parts, epoch, iteration), epoch, iteration
-        )
-    except OSError as e:
+        if fsdp_enabled(cfg):
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(
+                folder, ckpt.checkpoint_name(epoch, iteration, sharded.SUFFIX)
+            )
+            sharded.save(
+                path,
+                parts.model,
+                parts.optimizer,
+                parts.ema,
+                _meta(parts, epoch, iteration),
+                _rank_state(parts),
+            )
+        else:
+            state = training_state(parts, epoch, iteration)
+            path = None
+            if distributed.is_main():
+                path = ckpt.save_checkpoint(cfg.OUT_DIR, state, epoch, iteration)
+    except (OSError, CheckpointException) as e:
+        error = str(getattr(e, "strerror", None) or e).strip().splitlines()[0]
+    if not fsdp_enabled(cfg):
+        error = distributed.broadcast_object(error)  # rank 0 wrote, all ranks know
+    if error:
         # No safety net means no training: stop rather than go on unprotected.
         raise UserError(
-            f"cannot write a checkpoint to {ckpt.checkpoint_dir(parts.cfg.OUT_DIR)}: "
-            f"{e.strerror or e}; the previous checkpoints are intact"
-        ) from None
-    logger.info("wrote checkpoint %s", path)
-    return path
+            f"cannot write a checkpoint to {folder}: {error}; the previous "
+            "checkpoints are intact"
+        )
+    if distributed.is_main():
+        logger.info("wrote checkpoint %s", path)
+    return path if distributed.is_main() else None
 
 
 def train_model(cfg):
-    """Trains per the config; returns the last {train, test[, test_ema]} records."""
+    """Trains per the config; returns the last {train, test[, test_ema]} records.
+
+    Run it on every rank of a job (`distributed.launch` starts them)."""
     setup_run(cfg)
+    distributed.check_same_config(cfg)
     seed_everything(cfg.RNG_SEED)
     parts = build_components(cfg)
     logger.info(
-        "model: %s params; precision %s/%s; %d train and %d test batches per epoch",
-        f"{sum(p.numel() for p in parts.model.parameters()):,}",
+        "model: %s params; precision %s/%s; %s; %d train and %d test batches per "
+        "epoch and rank",
+        f"{sum(p.numel() for p in parts.module.parameters()):,}",
         parts.mode.value,
         str(parts.half).replace("torch.", ""),
+        _parallel_name(cfg),
         len(parts.train_loader),
         len(parts.test_loader),
     )
     start_epoch, start_iter = 0, 0
     last = ckpt.last_checkpoint(cfg.OUT_DIR) if cfg.TRAIN.AUTO_RESUME else None
     if last:
-        start_epoch, start_iter = restore(parts, ckpt.load_checkpoint(last), last)
-    if distributed.is_main():
-        # Only now: a run that fails to start leaves the previous config.yaml as it was.
-        dump_cfg(cfg)
+        start_epoch, start_iter = restore(parts, last)
         logger.info(
             "resumed from %s (epoch %d, iteration %d)",
             last,
             start_epoch + 1,
             start_iter,
         )
+    if distributed.is_main():
+        # Only now: a run that fails to start leaves the previous config.yaml as it was.
+        dump_cfg(cfg)
     period = cfg.TRAIN.CHECKPOINT_ITER_PERIOD
 
     def on_iter_end(epoch, done, iters):
@@ -381,7 +498,7 @@ def train_model(cfg):
     results = {}
     if start_epoch >= cfg.OPTIM.MAX_EPOCH:
         logger.info("all %d epochs are done: evaluating the final weights", start_epoch)
-        results["test"] = test_epoch(parts, parts.model, start_epoch - 1)
+        results["test"] = test_epoch(parts, parts.module, start_epoch - 1)
         if parts.ema is not None:
             results["test_ema"] = test_epoch(
                 parts, parts.ema, start_epoch - 1, "test_ema_epoch"
@@ -394,7 +511,7 @@ def train_model(cfg):
         if (epoch + 1) % cfg.TRAIN.CHECKPOINT_PERIOD == 0 or last_epoch:
             save(parts, epoch + 1, 0)
         if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or last_epoch:
-            results["test"] = test_epoch(parts, parts.model, epoch)
+            results["test"] = test_epoch(parts, parts.module, epoch)
             if parts.ema is not None:
                 results["test_ema"] = test_epoch(
                     parts, parts.ema, epoch, "test_ema_epoch"
@@ -404,12 +521,23 @@ def train_model(cfg):
 
 
 def test_model(cfg):
-    """Evaluates TEST.WEIGHTS on the test split; returns the test_epoch record."""
+    """Evaluates TEST.WEIGHTS (a checkpoint file or sharded directory) on the test
+    split, on every rank of the job; returns the test_epoch record."""
     setup_run(cfg)
+    distributed.check_same_config(cfg)
     seed_everything(cfg.RNG_SEED)
     if not cfg.TEST.WEIGHTS:
         raise UserError("TEST.WEIGHTS is empty: name the checkpoint to evaluate")
-    parts = build_components(cfg, loaders=("test",))
-    # load_state_dict copies into the model as built: on its device, in its dtypes.
-    ckpt.load_model_weights(parts.model, cfg.TEST.WEIGHTS, use_ema=cfg.TEST.USE_EMA)
-    return test_epoch(parts, parts.model, cfg.OPTIM.MAX_EPOCH - 1)
+    # Loaded before wrapping or sharding; load_state_dict copies into the model as
+    # built, in its dtypes.
+    parts = build_components(
+        cfg, loaders=("test",), weights=cfg.TEST.WEIGHTS, use_ema=cfg.TEST.USE_EMA
+    )
+    return test_epoch(parts, parts.module, cfg.OPTIM.MAX_EPOCH - 1)
+
+
+def _parallel_name(cfg):
+    world = distributed.world_size()
+    if fsdp_enabled(cfg):
+        return f"FSDP over {world} process(es)"
+    return f"DDP over {world} processes" if world > 1 else "one process"

@@ -1,0 +1,138 @@
+"""Parallelism applied from outside the model (the model file knows nothing of it).
+
+    model = parallelize(model, cfg, mode, half, device)
+
+- one process: the model as it is;
+- several processes, FSDP.ENABLED False: DistributedDataParallel;
+- FSDP.ENABLED True: torch's FSDP2 `fully_shard`, per encoder block, then the root
+  (at any world size, one included, so that its sharded checkpoints are one format).
+FSDP.ACTIVATION_CHECKPOINT recomputes each encoder block's activations in backward,
+with or without FSDP.
+
+How the AMP modes map to FSDP (`fsdp_mixed_precision`): O2 keeps the sharded
+parameters in fp32 (they are the master weights, so no separate master copy exists)
+and all-gathers them in half precision for compute, reducing gradients in fp32; O3
+shards half-precision parameters and reduces in half precision; fp32 and O1 shard fp32
+parameters (autocast does O1's casts). FSDP.LAYER_NORM_FP32 keeps LayerNorm (and the
+conv stem's BatchNorm) parameters in fp32 for compute under O2.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from pycls_fast.core import distributed
+from pycls_fast.core.precision import AmpMode
+from pycls_fast.models.vit import ViTEncoderBlock
+
+_NORMS = (nn.LayerNorm, nn.BatchNorm2d)
+
+
+def encoder_blocks(model):
+    """The units that FSDP shards and activation checkpointing recomputes."""
+    return [m for m in model.modules() if isinstance(m, ViTEncoderBlock)]
+
+
+def fsdp_enabled(cfg):
+    return cfg.FSDP.ENABLED
+
+
+def reshard_after_forward(cfg):
+    """FSDP.RESHARD_AFTER_FW, unless pycls's older DO_NOT_RESHARD_AFTER_FW is set."""
+    return cfg.FSDP.RESHARD_AFTER_FW and not cfg.FSDP.DO_NOT_RESHARD_AFTER_FW
+
+
+def fsdp_mixed_precision(mode, half):
+    """FSDP2's MixedPrecisionPolicy for an AMP mode (see the module docstring)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mode is AmpMode.O2:
+        return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_activation_checkpointing(model):
+    """Recomputes each encoder block's forward in backward (names unchanged)."""
+    from torch.distributed._composable import checkpoint
+
+    for block in encoder_blocks(model):
+        checkpoint(block)
+    return model
+
+
+def shard_model(model, cfg, mode, half):
+    """Applies fully_shard per encoder block, then to the root (in place)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = fsdp_mixed_precision(mode, half)
+    reshard = reshard_after_forward(cfg)
+    if mode is AmpMode.O2 and cfg.FSDP.LAYER_NORM_FP32:
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32)
+        for m in model.modules():
+            if isinstance(m, _NORMS):
+                fully_shard(m, mp_policy=fp32, reshard_after_forward=reshard)
+    for block in encoder_blocks(model):
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+    return model
+
+
+def _fp32_allreduce_hook(_, bucket):
+    """DDP comm hook: averages half-precision gradients in fp32 (AMP O2's grads are
+    half precision; summing them in half precision loses bits at many ranks)."""
+    grads = bucket.buffer()
+    total = grads.float().div_(dist.get_world_size())
+    fut = dist.all_reduce(total, async_op=True).get_future()
+
+    def copy_back(f):
+        grads.copy_(f.value()[0])
+        return grads
+
+    return fut.then(copy_back)
+
+
+def wrap_ddp(model, mode, device):
+    """DistributedDataParallel over this process's device."""
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=ids)
+    if mode is AmpMode.O2:
+        ddp.register_comm_hook(None, _fp32_allreduce_hook)
+    return ddp
+
+
+def parallelize(model, cfg, mode, half, device):
+    """Returns the module to train: `model` itself (one process, or sharded in place
+    by FSDP) or a DDP wrapper around it. `model` is on `device`, prepared for `mode`
+    (for FSDP O2: still fp32, see the module docstring)."""
+    if cfg.FSDP.ACTIVATION_CHECKPOINT:
+        apply_activation_checkpointing(model)
+    if fsdp_enabled(cfg):
+        return shard_model(model, cfg, mode, half)
+    if distributed.world_size() > 1:
+        return wrap_ddp(model, mode, device)
+    return model
+
+
+def unwrap(model):
+    """The model inside a DDP wrapper (FSDP shards in place: nothing to unwrap)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def state_bytes(model, optimizer):
+    """Bytes this rank holds in parameters, gradients and optimizer state: a sharded
+    model holds only its shards. Returns {params, grads, optimizer, total}."""
+    params = list(model.parameters())
+    p = sum(_nbytes(x) for x in params)
+    g = sum(_nbytes(x.grad) for x in params if x.grad is not None)
+    o = 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v) and v.ndim > 0:  # not the scalar step counters
+                o += _nbytes(v)
+    return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
+
+
+def _nbytes(t):
+    t = distributed.local_tensor(t)
+    return t.numel() * t.element_size()

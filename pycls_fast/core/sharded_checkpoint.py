@@ -1,0 +1,173 @@
+"""Sharded checkpoints of FSDP runs, with torch.distributed.checkpoint (DCP).
+
+A sharded checkpoint is a directory, `OUT_DIR/checkpoints/model_epoch_0003.dcp/`:
+every rank writes its own shards of the model, EMA and optimizer state in parallel,
+plus its RNG states; `.metadata` says where each piece lives, so the checkpoint loads
+at any world size (DCP reshards on load). It is written to `<name>.tmp` and renamed
+by rank 0 once every rank has finished, so a crash mid-write never leaves a directory
+that looks complete.
+
+    save(path, model, optimizer, ema, meta, rank_state)   # every rank
+    meta, rank_state = load(path, model, optimizer, ema)  # every rank
+    read_model_state(path, key="model")                   # one process, no group
+    consolidate(path, out_file)                           # one single-file checkpoint
+"""
+
+import io
+import os
+import shutil
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from pycls_fast.core import distributed
+
+SUFFIX = ".dcp"
+
+
+class ShardedCheckpointError(ValueError):
+    """A sharded checkpoint that cannot be used here (its message names the path)."""
+
+
+def is_sharded(path):
+    """Whether `path` is a sharded (DCP) checkpoint directory."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _blob(obj):
+    # One opaque value (DCP would flatten a dict into its leaves): a BytesIO holding
+    # the object, which DCP saves as it is and hands back on load.
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def _unblob(buf):
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _read_metadata(path):
+    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def save(path, model, optimizer, ema, meta, rank_state):
+    """Writes the sharded checkpoint `path` (a directory) from every rank.
+
+    `meta`: picklable values common to all ranks (rank 0's copy is kept);
+    `rank_state`: this rank's own picklable state (RNG states)."""
+    tmp = path + ".tmp"
+    if distributed.is_main() and os.path.exists(tmp):
+        shutil.rmtree(tmp)  # a leftover of a write that crashed
+    distributed.barrier()
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+        "extra": {
+            "meta": _blob({**meta, "world_size": distributed.world_size()}),
+            f"rank_{distributed.rank()}": _blob(rank_state),
+        },
+    }
+    if ema is not None:
+        state["ema"] = get_model_state_dict(ema)
+    dcp.save(state, checkpoint_id=tmp)
+    distributed.barrier()  # every rank's shards and the metadata are on disk
+    if distributed.is_main():
+        if os.path.exists(path):
+            old = path + ".old"
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    distributed.barrier()
+
+
+def _check_fits(path, saved, prefix, state):
+    """Names the first tensor of `state` that the checkpoint lacks or shapes
+    differently (before DCP's own, less readable, error)."""
+    for key, value in state.items():
+        entry = saved.get(f"{prefix}.{key}")
+        if entry is None:
+            raise ShardedCheckpointError(
+                f"checkpoint {path} does not fit this model: it lacks {key}"
+            )
+        if hasattr(entry, "size") and tuple(entry.size) != tuple(value.shape):
+            raise ShardedCheckpointError(
+                f"checkpoint {path} does not fit this model: it has {key} of shape "
+                f"{tuple(entry.size)}, the model expects {tuple(value.shape)}"
+            )
+
+
+def load(path, model, optimizer, ema):
+    """Loads a sharded checkpoint into the (sharded) model, optimizer and EMA of
+    every rank; returns (meta, rank_state), rank_state None when the checkpoint was
+    written at another world size (the RNG streams of the ranks then start afresh)."""
+    saved = _read_metadata(path)
+    state = {"model": get_model_state_dict(model)}
+    _check_fits(path, saved, "model", state["model"])
+    state["optim"] = get_optimizer_state_dict(model, optimizer)
+    if ema is not None and any(k.startswith("ema.") for k in saved):
+        state["ema"] = get_model_state_dict(ema)
+    meta = read_meta(path, no_dist=False)
+    rank_key = f"rank_{distributed.rank()}"
+    same_world = meta.get("world_size") == distributed.world_size()
+    if same_world and f"extra.{rank_key}" in saved:
+        state["extra"] = {rank_key: io.BytesIO()}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    if "ema" in state:
+        set_model_state_dict(ema, state["ema"])
+    own = state.get("extra", {}).get(rank_key)
+    return meta, _unblob(own) if own is not None else None
+
+
+def read_meta(path, no_dist=True):
+    """The `meta` of a sharded checkpoint (by default read by this process alone,
+    with no process group needed)."""
+    state = {"extra": {"meta": io.BytesIO()}}
+    dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+    return _unblob(state["extra"]["meta"])
+
+
+def read_model_state(path, key="model"):
+    """The full (unsharded) state dict `key` ('model' or 'ema') of a sharded
+    checkpoint, as CPU tensors in their saved dtypes; {} when it has none. Runs in
+    one process with no process group (tools/test_net.py, consolidation)."""
+    saved = _read_metadata(path)
+    prefix = key + "."
+    state = {
+        name[len(prefix) :]: torch.empty(tuple(e.size), dtype=e.properties.dtype)
+        for name, e in saved.items()
+        if name.startswith(prefix) and hasattr(e, "size")
+    }
+    if state:
+        dcp.load({key: state}, checkpoint_id=path, no_dist=True)
+    return state
+
+
+def consolidate(path, out_file):
+    """Writes the model (and EMA) weights of a sharded checkpoint to one file that
+    TEST.WEIGHTS, TRAIN.WEIGHTS and tools/convert_weights.py read; returns its meta."""
+    from pycls_fast.core.checkpoint import save_atomically
+
+    meta = read_meta(path)
+    out = {
+        "model_state": read_model_state(path, "model"),
+        "epoch": meta.get("epoch"),
+        "iter": meta.get("iter"),
+        "cfg": meta.get("cfg"),
+    }
+    ema = read_model_state(path, "ema")
+    if ema:
+        out["ema_state"] = ema
+    save_atomically(out, out_file)
+    return meta
