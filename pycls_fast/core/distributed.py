@@ -9,7 +9,6 @@ import datetime
 import hashlib
 import os
 import random
-import signal
 import socket
 import sys
 
@@ -259,9 +258,9 @@ def _spawn(fn, cfg):
                 "the other ranks were stopped",
                 e.exit_code if e.exit_code in (1, 2) else 1,
             ) from None
-        name = signal.Signals(e.signal_number).name if e.signal_number else "?"
         raise RankFailedError(
-            f"rank {e.error_index} was killed by {name}; the other ranks were stopped",
+            f"rank {e.error_index} was killed by {e.signal_name or 'a signal'}; the "
+            "other ranks were stopped",
             1,
         ) from None
     return result.get() if not result.empty() else None

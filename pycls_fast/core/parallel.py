@@ -17,6 +17,8 @@ parameters (autocast does O1's casts). FSDP.LAYER_NORM_FP32 keeps LayerNorm (and
 conv stem's BatchNorm) parameters in fp32 for compute under O2.
 """
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -95,7 +97,12 @@ def _fp32_allreduce_hook(_, bucket):
 def wrap_ddp(model, mode, device):
     """DistributedDataParallel over this process's device."""
     ids = [device.index] if device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=ids)
+    # pos_embedding (1, seq, hidden) gets its gradient with another stride on its
+    # size-1 dim; DDP compares all strides and warns on every step about a copy of a
+    # few KB. Nothing to fix there.
+    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view")
+    # Gradients as views of the communication buckets: no copy in and out of them.
+    ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
     if mode is AmpMode.O2:
         ddp.register_comm_hook(None, _fp32_allreduce_hook)
     return ddp

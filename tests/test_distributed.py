@@ -1,0 +1,309 @@
+"""Multi-process training on CPU with gloo, 2 processes: DDP and FSDP against one
+process, sharded checkpoints across world sizes, memory per rank, and failures."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from pycls_fast.config import ConfigError, load_cfg
+from pycls_fast.core import distributed
+from pycls_fast.core.logging import load_json_stats
+from pycls_fast.datasets.digits import build_digits_folder
+
+from .conftest import ROOT, TINY
+
+pytestmark = pytest.mark.slow
+
+DIGITS_CFG = os.path.join(ROOT, "configs/examples/vit_digits.yaml")
+TRAIN_NET = os.path.join(ROOT, "tools/train_net.py")
+TEST_NET = os.path.join(ROOT, "tools/test_net.py")
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    build_digits_folder(str(root), size=16)
+    return str(root)
+
+
+def _opts(digits, out_dir, *extra):
+    """The demo config shrunk to 16 px and 2 blocks: 11 train iterations an epoch."""
+    return [
+        "DATA.PATH", digits, "OUT_DIR", str(out_dir),
+        "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
+        "VIT.NUM_LAYERS", "2", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
+        "TRAIN.BATCH_SIZE", "128", "TEST.BATCH_SIZE", "200",
+        "OPTIM.MAX_EPOCH", "1", "OPTIM.WARMUP_EPOCHS", "0", "OPTIM.BASE_LR", "0.005",
+        "LOG_PERIOD", "1", "DATA_LOADER.NUM_WORKERS", "1",
+        *extra,
+    ]  # fmt: skip
+
+
+def _env():
+    # One thread per process: 2 ranks share the 2 cores without oversubscription.
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _run(tool, digits, out_dir, *extra, launcher=(), timeout=300):
+    cmd = [*launcher] if launcher else [sys.executable]
+    cmd += [tool, "--cfg", DIGITS_CFG, *_opts(digits, out_dir, *extra)]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT
+    )
+
+
+def _train(digits, out_dir, *extra, launcher=()):
+    result = _run(TRAIN_NET, digits, out_dir, *extra, launcher=launcher)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return load_json_stats(os.path.join(out_dir, "stdout.log"))
+
+
+def _losses(records):
+    return [r["loss"] for r in records if r["_type"] == "train_iter"]
+
+
+def _final_test(records):
+    return [r for r in records if r["_type"] == "test_epoch"][-1]
+
+
+FP32 = ["AMP.MODE", "fp32", "TRAIN.MIXED_PRECISION", "False"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+# fp32: the same global batch split over 2 ranks gives the same gradients up to the
+# order of fp32 sums (~1e-7 relative); json_stats prints 6 significant digits.
+FP32_TOL = 1e-4
+# bf16: each rank's matmuls see half the batch, so products are rounded in other
+# blocks and the gradient sums in another order. bf16 keeps 8 significand bits
+# (relative step 2^-8 = 0.4%); over 11 steps the losses stay within a few of those.
+BF16_TOL = 1e-2
+
+
+@pytest.mark.parametrize(
+    "precision, tol",
+    [(FP32, FP32_TOL), (["AMP.MODE", "O1"], BF16_TOL)],
+    ids=["fp32", "bf16-O1"],
+)
+def test_ddp_and_fsdp_losses_match_one_process(digits, tmp_path, precision, tol):
+    one = _losses(_train(digits, tmp_path / "one", *precision))
+    # DDP under torchrun, FSDP with pycls's NUM_GPUS spawning: both launchers.
+    ddp = _losses(
+        _train(
+            digits,
+            tmp_path / "ddp",
+            *precision,
+            launcher=[*TORCHRUN, "--nproc_per_node", "2"],
+        )
+    )
+    fsdp = _losses(
+        _train(
+            digits,
+            tmp_path / "fsdp",
+            *precision,
+            "NUM_GPUS",
+            "2",
+            "FSDP.ENABLED",
+            "True",
+        )
+    )
+    assert len(one) == len(ddp) == len(fsdp) == 11
+    assert one[-1] < one[0]  # it learns
+    for other in (ddp, fsdp):
+        assert max(abs(a - b) for a, b in zip(one, other)) <= tol, (one, other)
+
+
+def test_fsdp_o2_matches_one_process_o2(digits, tmp_path):
+    # FSDP O2: fp32 shards gathered as bf16, grads reduced in fp32; one process O2:
+    # bf16 weights with fp32 master copies. The same updates, rounded alike.
+    one = _losses(_train(digits, tmp_path / "one", "AMP.MODE", "O2"))
+    fsdp = _losses(
+        _train(
+            digits, tmp_path / "fsdp", "AMP.MODE", "O2", "NUM_GPUS", "2",
+            "FSDP.ENABLED", "True", "FSDP.ACTIVATION_CHECKPOINT", "True",
+        )
+    )  # fmt: skip
+    assert max(abs(a - b) for a, b in zip(one, fsdp)) <= BF16_TOL, (one, fsdp)
+
+
+def _keep(src, dst, names):
+    os.makedirs(os.path.join(dst, "checkpoints"))
+    for name in names:
+        shutil.copytree(
+            os.path.join(src, "checkpoints", name),
+            os.path.join(dst, "checkpoints", name),
+        )
+
+
+def test_sharded_checkpoints_resume_at_any_world_size(digits, tmp_path):
+    common = [
+        "OPTIM.MAX_EPOCH", "2", "TRAIN.CHECKPOINT_ITER_PERIOD", "5",
+        "FSDP.ENABLED", "True", *FP32,
+        "OPTIM.EMA_ALPHA", "0.05", "OPTIM.EMA_UPDATE_PERIOD", "1",
+    ]  # fmt: skip
+    full_dir = tmp_path / "full"
+    full = _train(digits, full_dir, *common, "NUM_GPUS", "2")
+    names = sorted(os.listdir(full_dir / "checkpoints"))
+    # Every 5 iterations (of 11), and after the last epoch (CHECKPOINT_PERIOD 10).
+    assert names == [
+        "model_epoch_0001_iter_000005.dcp",
+        "model_epoch_0001_iter_000010.dcp",
+        "model_epoch_0002.dcp",
+        "model_epoch_0002_iter_000005.dcp",
+        "model_epoch_0002_iter_000010.dcp",
+    ]
+    # Every rank wrote its shard: one data file per rank.
+    files = os.listdir(full_dir / "checkpoints" / "model_epoch_0002.dcp")
+    assert sorted(f for f in files if f.endswith(".distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    target = _final_test(full)
+
+    # 2 -> 1: resume 5 iterations into epoch 2 with one process.
+    one_dir = tmp_path / "one"
+    _keep(full_dir, one_dir, ["model_epoch_0002_iter_000005.dcp"])
+    one = _train(digits, one_dir, *common, "NUM_GPUS", "1")
+    with open(one_dir / "stdout.log") as f:
+        assert "resumed from" in f.read()
+    assert len(_losses(one)) == 6  # iterations 6..11 only
+    # 1 -> 2: resume the checkpoint the one-process run wrote at iteration 10.
+    two_dir = tmp_path / "two"
+    _keep(one_dir, two_dir, ["model_epoch_0002_iter_000010.dcp"])
+    two = _train(digits, two_dir, *common, "NUM_GPUS", "2")
+    for resumed in (one, two):
+        test = _final_test(resumed)
+        assert abs(test["loss"] - target["loss"]) <= FP32_TOL
+        assert test["top1_err"] == pytest.approx(target["top1_err"], abs=0.3)
+    ema = [r for r in full if r["_type"] == "test_ema_epoch"][-1]
+    ema_two = [r for r in two if r["_type"] == "test_ema_epoch"][-1]
+    assert abs(ema["loss"] - ema_two["loss"]) <= FP32_TOL
+
+    # test_net reads the sharded checkpoint in one process; the consolidated single
+    # file gives the same figures.
+    ckpt = str(full_dir / "checkpoints" / "model_epoch_0002.dcp")
+    tested = _run(TEST_NET, digits, tmp_path / "t1", "TEST.WEIGHTS", ckpt)
+    assert tested.returncode == 0, tested.stderr[-2000:]
+    single = str(tmp_path / "consolidated.pyth")
+    tool = os.path.join(ROOT, "tools/consolidate_checkpoint.py")
+    done = subprocess.run(
+        [sys.executable, tool, ckpt, single], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    tested_file = _run(TEST_NET, digits, tmp_path / "t2", "TEST.WEIGHTS", single)
+    assert tested_file.returncode == 0, tested_file.stderr[-2000:]
+    expected = f"top-1 accuracy: {100.0 - target['top1_err']:.2f}%"
+    assert expected in tested.stdout and expected in tested_file.stdout
+
+    # A sharded checkpoint met by a run without FSDP: one line, exit 2.
+    wrong = _run(
+        TRAIN_NET, digits, full_dir, *[c if c != "True" else "False" for c in common]
+    )
+    assert wrong.returncode == 2
+    assert "FSDP.ENABLED True" in wrong.stderr and "Traceback" not in wrong.stderr
+
+
+def _state_bytes(cfg):
+    """One training step; this rank's parameter, gradient and optimizer bytes."""
+    from pycls_fast.core import benchmark
+    from pycls_fast.core.parallel import state_bytes
+    from pycls_fast.core.trainer import build_components, train_step
+
+    parts = build_components(cfg, loaders=False)
+    inputs, targets = benchmark.synthetic_batch(parts, 8, cfg.TRAIN.IM_SIZE)
+    train_step(parts, inputs, targets)
+    # Gradients are freed by zero_grad: count them after a backward.
+    loss = parts.model(inputs).float().logsumexp(1).mean()
+    loss.backward()
+    sizes = state_bytes(parts.model, parts.optimizer)
+    sizes["peak_rss_mb"] = psutil.Process().memory_info().rss / 2**20
+    return distributed.all_gather_object(sizes)
+
+
+def test_fsdp_shards_parameters_gradients_and_optimizer_state():
+    opts = [*TINY, "VIT.NUM_LAYERS", "4", "VIT.HIDDEN_DIM", "64", "VIT.MLP_DIM", "256"]
+    opts += ["OPTIM.OPTIMIZER", "adamw", "TRAIN.BATCH_SIZE", "16", "NUM_GPUS"]
+    whole = distributed.launch(_state_bytes, load_cfg(None, [*opts, "1"]))[0]
+    ranks = distributed.launch(
+        _state_bytes, load_cfg(None, [*opts, "2", "FSDP.ENABLED", "True"])
+    )
+    assert len(ranks) == 2
+    for part in ranks:
+        for key in ("params", "grads", "optimizer", "total"):
+            assert part[key] <= 0.55 * whole[key], (key, part, whole)
+    # Together the shards hold the whole state (FSDP pads dim 0 to a multiple of 2).
+    total = sum(r["total"] for r in ranks)
+    assert whole["total"] <= total <= 1.02 * whole["total"]
+    print(f"peak RSS per rank: {[round(r['peak_rss_mb']) for r in ranks]} MB")
+
+
+def _differ_on_rank_1(cfg):
+    if distributed.rank() == 1:
+        cfg.defrost()
+        cfg.OPTIM.BASE_LR *= 2
+    distributed.check_same_config(cfg)
+
+
+def test_mismatched_configs_across_ranks_are_refused():
+    cfg = load_cfg(None, [*TINY, "NUM_GPUS", "2", "TRAIN.BATCH_SIZE", "16"])
+    with pytest.raises(distributed.RankFailedError) as e:
+        distributed.launch(_differ_on_rank_1, cfg)
+    assert e.value.exit_code == 2
+
+
+def test_num_gpus_must_match_torchrun_world_size(monkeypatch):
+    cfg = load_cfg(None, [*TINY, "NUM_GPUS", "4", "TRAIN.BATCH_SIZE", "16"])
+    with pytest.raises(ConfigError, match="NUM_GPUS \\(4\\) does not match"):
+        distributed._match_world_size(cfg, 2)
+    cfg = load_cfg(None, [*TINY, "TRAIN.BATCH_SIZE", "15", "TEST.BATCH_SIZE", "16"])
+    with pytest.raises(
+        ConfigError, match="TRAIN.BATCH_SIZE \\(15\\) must be divisible"
+    ):
+        distributed._match_world_size(cfg, 2)
+    cfg = load_cfg(None, [*TINY, "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "16"])
+    distributed._match_world_size(cfg, 2)
+    assert cfg.NUM_GPUS == 2
+
+
+def _ranks(parent):
+    """The spawned rank processes of `parent`, in rank order (started in order)."""
+    kids = [
+        p
+        for p in parent.children()
+        if any("spawn_main" in part for part in p.cmdline())
+    ]
+    return sorted(kids, key=lambda p: p.create_time())
+
+
+def test_a_killed_rank_stops_the_job_naming_it(digits, tmp_path):
+    opts = _opts(digits, tmp_path, "NUM_GPUS", "2", "OPTIM.MAX_EPOCH", "50")
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN_NET, "--cfg", DIGITS_CFG, *opts],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
+    try:
+        log = tmp_path / "stdout.log"
+        deadline = time.time() + 120
+        while time.time() < deadline and not (
+            log.exists() and "train_iter" in log.read_text()
+        ):
+            time.sleep(0.5)
+        ranks = _ranks(psutil.Process(proc.pid))
+        assert len(ranks) == 2
+        ranks[1].send_signal(signal.SIGKILL)
+        start = time.time()
+        _, err = proc.communicate(timeout=120)
+        assert time.time() - start < 60  # no hang on the survivor's collectives
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "rank 1 was killed by SIGKILL" in err
