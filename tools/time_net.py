@@ -10,13 +10,24 @@ ImageNet size), the model FLOP utilization (MFU) against the matmul peak of this
 and dtype measured in the same run, and the projected time of one ImageNet-1k epoch
 (1,281,167 images) at the slower of the step and the loader. With --json the last line
 is one JSON object of these figures.
+
+Runs as train_net does: one process, `NUM_GPUS N`, or under torchrun. With
+`--parallel ddp,fsdp` it instead times the training step of DDP and of FSDP side by
+side (interleaved rounds, medians) and reports per-rank and total img/s, the
+parameter + gradient + optimizer bytes each rank holds, and each rank's peak RSS:
+
+    torchrun --nproc_per_node 2 tools/time_net.py --cfg FILE --parallel ddp,fsdp
 """
 
+import functools
 import json
 import os
 import platform
+import resource
+import statistics
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,7 +35,12 @@ import torch  # noqa: E402
 
 from pycls_fast.core import benchmark, distributed  # noqa: E402
 from pycls_fast.core.cli import UserError, cfg_from_args, config_parser, run  # noqa: E402
-from pycls_fast.core.trainer import build_components, seed_everything  # noqa: E402
+from pycls_fast.core.parallel import state_bytes  # noqa: E402
+from pycls_fast.core.trainer import (  # noqa: E402
+    build_components,
+    seed_everything,
+    train_step,
+)
 from pycls_fast.datasets.loader import construct_train_loader  # noqa: E402
 from pycls_fast.models import complexity  # noqa: E402
 
@@ -49,6 +65,83 @@ def loader_throughput(cfg, batches):
     return rate, "synthetic JPEGs (500x375)"
 
 
+def _step_seconds(parts, inputs, targets, iters):
+    """Median seconds of `iters` training steps (every rank steps in lockstep)."""
+    times = []
+    for _ in range(iters):
+        if parts.device.type == "cuda":
+            torch.cuda.synchronize(parts.device)
+        start = time.perf_counter()
+        train_step(parts, inputs, targets)
+        if parts.device.type == "cuda":
+            torch.cuda.synchronize(parts.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compare_parallel(cfg, modes, rounds):
+    """Times the training step of each of `modes` ('ddp', 'fsdp') on this rank,
+    interleaved over `rounds`; returns one record per mode, with every rank's figures
+    (on rank 0)."""
+    world = distributed.world_size()
+    batch = cfg.TRAIN.BATCH_SIZE // world
+    built = {}
+    for mode in modes:
+        variant = cfg.clone()
+        variant.FSDP.ENABLED = mode == "fsdp"
+        seed_everything(cfg.RNG_SEED)
+        built[mode] = build_components(variant, loaders=False)
+    times = {mode: [] for mode in modes}
+    for r in range(rounds):
+        for mode in modes:
+            parts = built[mode]
+            inputs, targets = benchmark.synthetic_batch(parts, batch, cfg.TRAIN.IM_SIZE)
+            if r == 0:
+                _step_seconds(parts, inputs, targets, cfg.PREC_TIME.WARMUP_ITER)
+            times[mode].append(
+                _step_seconds(parts, inputs, targets, cfg.PREC_TIME.NUM_ITER)
+            )
+    records = []
+    for mode in modes:
+        step = statistics.median(times[mode])
+        sizes = state_bytes(built[mode].model, built[mode].optimizer)
+        mine = {
+            "img_per_s": batch / step,
+            "state_mb": sizes["total"] / 2**20,
+            # Linux reports ru_maxrss in KB; both modes live in this one process.
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+        ranks = distributed.all_gather_object(mine)
+        records.append(
+            {
+                "mode": mode if world > 1 or mode == "fsdp" else "one process",
+                "processes": world,
+                "batch_per_process": batch,
+                "step_ms": 1e3 * step,
+                "total_img_per_s": sum(r["img_per_s"] for r in ranks),
+                "per_rank_img_per_s": [r["img_per_s"] for r in ranks],
+                "per_rank_state_mb": [r["state_mb"] for r in ranks],
+                "per_rank_peak_rss_mb": [r["peak_rss_mb"] for r in ranks],
+            }
+        )
+    return records
+
+
+def print_parallel(records, args):
+    for r in records:
+        rates = ", ".join(f"{x:.1f}" for x in r["per_rank_img_per_s"])
+        states = ", ".join(f"{x:.1f}" for x in r["per_rank_state_mb"])
+        rss = ", ".join(f"{x:.0f}" for x in r["per_rank_peak_rss_mb"])
+        print(
+            f"{r['mode']:>11}: {r['total_img_per_s']:.1f} img/s in total over "
+            f"{r['processes']} process(es) (per rank: {rates}); step "
+            f"{r['step_ms']:.1f} ms; params+grads+optimizer per rank: {states} MB; "
+            f"peak RSS per rank: {rss} MB"
+        )
+    if args.json:
+        print(json.dumps({"config": args.cfg_file, "parallel": records}))
+
+
 def main():
     parser = config_parser("Time the training step and the loader; project epoch time.")
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
@@ -56,10 +149,38 @@ def main():
         "--loader-batches", type=int, default=8, help="batches to time the loader on"
     )
     parser.add_argument("--no-loader", action="store_true", help="skip the loader")
+    parser.add_argument(
+        "--parallel",
+        default="",
+        help="compare data-parallel modes instead, e.g. 'ddp,fsdp' (under torchrun "
+        "or with NUM_GPUS N)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds for --parallel"
+    )
     args = parser.parse_args()
     cfg = cfg_from_args(args)
-    if args.loader_batches < 1:
-        raise UserError("--loader-batches must be >= 1")
+    if args.loader_batches < 1 or args.rounds < 1:
+        raise UserError("--loader-batches and --rounds must be >= 1")
+    if args.parallel:
+        modes = [m.strip() for m in args.parallel.split(",") if m.strip()]
+        bad = [m for m in modes if m not in ("ddp", "fsdp")]
+        if bad or not modes:
+            raise UserError(f"--parallel takes 'ddp', 'fsdp' or both, got {bad}")
+        cfg.FSDP.ENABLED = "fsdp" in modes  # so that one process gets a group too
+        records = distributed.launch(
+            functools.partial(compare_parallel, modes=modes, rounds=args.rounds), cfg
+        )
+        if records is not None:  # rank 0
+            print_parallel(records, args)
+        return
+    record = distributed.launch(functools.partial(measure, args=args), cfg)
+    if record is not None:
+        report(record, args)
+
+
+def measure(cfg, args):
+    """The step, evaluation, loader and MFU figures of this config (this rank)."""
     seed_everything(cfg.RNG_SEED)
     parts = build_components(cfg, loaders=False)
     world = distributed.world_size()
@@ -92,13 +213,25 @@ def main():
         "model_gflops_per_img": 2 * flops / 1e9,
         "achieved_tflops": achieved / 1e12,
         "matmul_peak_tflops": peak / 1e12,
+        "matmul_dtype": str(dtype).replace("torch.", ""),
         "mfu": achieved / peak,
         "epoch_time_s": benchmark.IMAGENET_TRAIN_IMAGES / bottleneck,
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
+        "loader_on": loader_on,
     }
+    return record
+
+
+def report(record, args):
     r = record
+    batch, world, train_rate = (
+        r["batch_per_process"],
+        r["processes"],
+        r["train_img_per_s"],
+    )
+    loader_rate, loader_on = r["loader_img_per_s"], r.pop("loader_on")
     print(
         f"{args.cfg_file} on {r['device']} ({r['precision']}), batch {batch} x {world}"
     )
@@ -108,10 +241,10 @@ def main():
     )
     print(f"  train {train_rate:.1f} img/s, test {record['test_img_per_s']:.1f} img/s")
     if loader_rate:
-        print(f"  loader {record['loader_img_per_s']:.1f} img/s on {loader_on}")
+        print(f"  loader {loader_rate:.1f} img/s on {loader_on}")
     print(
         f"  {r['achieved_tflops']:.3f} TFLOP/s of a measured "
-        f"{r['matmul_peak_tflops']:.3f} TFLOP/s {dtype} matmul peak: "
+        f"{r['matmul_peak_tflops']:.3f} TFLOP/s {r['matmul_dtype']} matmul peak: "
         f"MFU {100 * r['mfu']:.1f}%"
     )
     hours = record["epoch_time_s"] / 3600
