@@ -10,6 +10,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from pycls_fast.config import ConfigError, load_cfg
 from pycls_fast.core import distributed
@@ -199,6 +200,10 @@ def test_sharded_checkpoints_resume_at_any_world_size(digits, tmp_path):
     expected = f"top-1 accuracy: {100.0 - target['top1_err']:.2f}%"
     assert expected in tested.stdout and expected in tested_file.stdout
 
+    # A sharded checkpoint of another model: one line naming the tensor, exit 2.
+    other = _run(TRAIN_NET, digits, full_dir, *common, "VIT.HIDDEN_DIM", "48")
+    assert other.returncode == 2, other.stderr[-2000:]
+    assert "does not fit this model" in other.stderr and "Traceback" not in other.stderr
     # A sharded checkpoint met by a run without FSDP: one line, exit 2.
     wrong = _run(
         TRAIN_NET, digits, full_dir, *[c if c != "True" else "False" for c in common]
@@ -239,6 +244,32 @@ def test_fsdp_shards_parameters_gradients_and_optimizer_state():
     total = sum(r["total"] for r in ranks)
     assert whole["total"] <= total <= 1.02 * whole["total"]
     print(f"peak RSS per rank: {[round(r['peak_rss_mb']) for r in ranks]} MB")
+
+
+def _overflow_on_rank_1(cfg):
+    """fp16 O2 under FSDP: an inf in rank 1's gradient shard only."""
+    from pycls_fast.core.trainer import build_components
+
+    parts = build_components(cfg, loaders=False)
+    params = [p for p in parts.model.parameters()]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    if distributed.rank() == 1:
+        distributed.local_tensor(params[0].grad).fill_(float("inf"))
+    found = parts.scaler.unscale_(params)
+    parts.scaler.update(found)
+    return distributed.all_gather_object((found, parts.scaler.scale_value))
+
+
+def test_fp16_loss_scaling_skips_the_step_on_every_rank():
+    cfg = load_cfg(
+        None,
+        [*TINY, "NUM_GPUS", "2", "TRAIN.BATCH_SIZE", "16", "FSDP.ENABLED", "True"]
+        + ["AMP.MODE", "O2", "AMP.DTYPE", "fp16"],
+    )
+    ranks = distributed.launch(_overflow_on_rank_1, cfg)
+    # Both ranks skip the step and halve the scale, though only rank 1 overflowed.
+    assert ranks == [(True, 2.0**15), (True, 2.0**15)]
 
 
 def _differ_on_rank_1(cfg):

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pycls_fast.core import distributed  # noqa: E402
 from pycls_fast.core.cli import cfg_from_args, config_parser, run  # noqa: E402
+from pycls_fast.core.preemption import Stopped  # noqa: E402
 from pycls_fast.core.trainer import train_model  # noqa: E402
 
 
@@ -19,6 +20,8 @@ def train(cfg):
     """Trains on this rank; a failure is also written to OUT_DIR/stdout.log."""
     try:
         return train_model(cfg)
+    except Stopped:
+        raise  # logged by the trainer: a requested stop, not a failure
     except Exception as e:
         if logging.getLogger().handlers:  # keep the reason in OUT_DIR/stdout.log too
             logging.getLogger("pycls_fast").error("training stopped: %s", e)

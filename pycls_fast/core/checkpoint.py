@@ -14,6 +14,7 @@ instead, directories of the same names ending in `.dcp` (core/sharded_checkpoint
 import os
 import random
 import re
+import shutil
 
 import numpy as np
 import torch
@@ -62,6 +63,24 @@ def list_checkpoints(out_dir):
         and (n.endswith(".pyth") or is_sharded(os.path.join(folder, n)))
     ]
     return [os.path.join(folder, n) for _, n in sorted(found)]
+
+
+def remove_partial(out_dir):
+    """Deletes what writes cut short left behind (temporary files and directories);
+    call it only while no other process writes there (the OUT_DIR lock is held)."""
+    folder = checkpoint_dir(out_dir)
+    if not os.path.isdir(folder):
+        return []
+    removed = []
+    for name in os.listdir(folder):
+        if ".tmp" in name or name.endswith(".old"):
+            path = os.path.join(folder, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+            removed.append(path)
+    return removed
 
 
 def last_checkpoint(out_dir):

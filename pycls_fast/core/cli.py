@@ -46,7 +46,10 @@ def run(main):
         # Errors that carry their exit status (a failed rank of a spawned job) name
         # what failed themselves.
         code = getattr(e, "exit_code", None)
-        what = str(e) if code else f"{type(e).__name__}: {e}"
-        print(f"error: {what}", file=sys.stderr)
+        if getattr(e, "signum", None):  # stopped on request, checkpoint written
+            print(e, file=sys.stderr)
+        else:
+            what = str(e) if code else f"{type(e).__name__}: {e}"
+            print(f"error: {what}", file=sys.stderr)
         sys.exit(code or 1)
     sys.exit(code or 0)

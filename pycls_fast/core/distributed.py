@@ -242,14 +242,21 @@ def _spawn(fn, cfg):
         "WORLD_SIZE": str(n),
         "LOCAL_WORLD_SIZE": str(n),
     }
+    from pycls_fast.core import preemption
+
     result = mp.get_context("spawn").SimpleQueue()
+    context = mp.start_processes(
+        _spawned_worker,
+        args=(fn, cfg, env, result),
+        nprocs=n,
+        start_method="spawn",
+        join=False,
+    )
+    # A SIGTERM sent to this launcher reaches the ranks, which checkpoint and stop.
+    previous = preemption.forward_signals(lambda: [p.pid for p in context.processes])
     try:
-        mp.start_processes(
-            _spawned_worker,
-            args=(fn, cfg, env, result),
-            nprocs=n,
-            start_method="spawn",
-        )
+        while not context.join():
+            pass
     except mp.ProcessExitedException as e:
         if e.exit_code is not None and e.exit_code > 0:
             # The rank printed its own error line; end with its status.
@@ -263,17 +270,29 @@ def _spawn(fn, cfg):
             "other ranks were stopped",
             1,
         ) from None
-    return result.get() if not result.empty() else None
+    finally:
+        preemption.restore_signals(previous)
+    if result.empty():
+        return None
+    outcome = result.get()
+    if outcome[0] == "stopped":
+        raise preemption.Stopped(*outcome[1:])
+    return outcome[1]
 
 
 def _spawned_worker(index, fn, cfg, env, result):
     """Entry point of a spawned rank: its env:// variables, the group, `fn(cfg)`.
     Errors end the process with pycls_fast's exit statuses (2: user mistake)."""
     from pycls_fast.core.cli import UserError
+    from pycls_fast.core.preemption import Stopped
 
     os.environ.update(env, RANK=str(index), LOCAL_RANK=str(index))
     try:
-        out = _run_in_group(fn, cfg, init_process_group)
+        out = ("done", _run_in_group(fn, cfg, init_process_group))
+    except Stopped as e:
+        # Every rank stopped at the same iteration after the checkpoint: a clean end
+        # that the launcher reports with the signal's exit status.
+        out = ("stopped", str(e), e.signum)
     except (ConfigError, UserError) as e:
         print(f"error: rank {index}: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

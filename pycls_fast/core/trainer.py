@@ -42,6 +42,8 @@ from pycls_fast.core.precision import (
     prepare_model,
     resolve_amp,
 )
+from pycls_fast.core.preemption import Stopped, StopRequest, stop_message
+from pycls_fast.core.run_lock import OutDirInUseError, RunLock
 from pycls_fast.datasets.device import DeviceBatchTransform
 from pycls_fast.datasets.loader import construct_test_loader, construct_train_loader
 from pycls_fast.models import build_model
@@ -86,6 +88,14 @@ def seed_everything(seed):
 
 def setup_run(cfg):
     """Creates OUT_DIR (checking it is writable) and sets up logging."""
+    prepare_out_dir(cfg)
+    setup_logging(cfg.OUT_DIR, cfg.LOG_DEST, distributed.is_main())
+    if torch.cuda.is_available():
+        torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
+
+
+def prepare_out_dir(cfg):
+    """Creates OUT_DIR; UserError naming it when it cannot be written to."""
     try:
         os.makedirs(cfg.OUT_DIR, exist_ok=True)
         probe = os.path.join(cfg.OUT_DIR, f".write_test.{os.getpid()}")
@@ -96,9 +106,23 @@ def setup_run(cfg):
         raise UserError(
             f"OUT_DIR {cfg.OUT_DIR} is not writable: {e.strerror}"
         ) from None
-    setup_logging(cfg.OUT_DIR, cfg.LOG_DEST, distributed.is_main())
-    if torch.cuda.is_available():
-        torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
+
+
+def lock_out_dir(cfg):
+    """Takes OUT_DIR's lock on rank 0 (every rank stops if another training holds
+    it) and clears what interrupted checkpoint writes left; returns the lock."""
+    lock, error = None, None
+    if distributed.is_main():
+        try:
+            lock = RunLock(cfg.OUT_DIR).__enter__()
+        except OutDirInUseError as e:
+            error = str(e)
+        else:
+            ckpt.remove_partial(cfg.OUT_DIR)
+    error = distributed.broadcast_object(error)
+    if error:
+        raise OutDirInUseError(error)
+    return lock
 
 
 def build_components(cfg, *, loaders=("train", "test"), weights=None, use_ema=False):
@@ -461,9 +485,22 @@ def save(parts, epoch, iteration):
 def train_model(cfg):
     """Trains per the config; returns the last {train, test[, test_ema]} records.
 
-    Run it on every rank of a job (`distributed.launch` starts them)."""
-    setup_run(cfg)
+    Run it on every rank of a job (`distributed.launch` starts them). One training
+    per OUT_DIR at a time. SIGTERM / SIGINT stop it at the next iteration boundary
+    with a checkpoint (raising `Stopped`); rerunning resumes from it."""
+    prepare_out_dir(cfg)
     distributed.check_same_config(cfg)
+    lock = lock_out_dir(cfg)
+    try:
+        with StopRequest() as stop:
+            return _train(cfg, stop)
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
+
+def _train(cfg, stop):
+    setup_run(cfg)
     seed_everything(cfg.RNG_SEED)
     parts = build_components(cfg)
     logger.info(
@@ -492,6 +529,14 @@ def train_model(cfg):
     period = cfg.TRAIN.CHECKPOINT_ITER_PERIOD
 
     def on_iter_end(epoch, done, iters):
+        signum = stop.agreed()
+        if signum:
+            path = (
+                save(parts, epoch, done) if done < iters else save(parts, epoch + 1, 0)
+            )
+            message = stop_message(signum, epoch, done, path)
+            logger.info(message)
+            raise Stopped(message, signum)
         if period and done % period == 0 and done < iters:
             save(parts, epoch, done)
 
