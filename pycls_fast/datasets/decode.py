@@ -13,7 +13,10 @@ import math
 from PIL import Image, UnidentifiedImageError
 
 # What Pillow raises for corrupt, truncated or unsupported files. DecompressionBombError
-# (a decompression-bomb guard) subclasses Exception, not OSError.
+# (a decompression-bomb guard) subclasses Exception, not OSError: Pillow raises it from
+# the header alone, before decoding, for more than 2 x Image.MAX_IMAGE_PIXELS (179 Mpx),
+# so such a file is a bad image; below that Pillow only warns, and large JPEGs decode at
+# reduced scale (draft_for), in little memory.
 DECODE_ERRORS = (
     OSError,
     ValueError,

@@ -40,11 +40,21 @@ class ImageLoader:
     `plan(epoch)` returns the epoch's batches as index arrays; `mode` is 'threads' or
     'processes'. A bad image is skipped (its batch is one smaller), logged with its
     path and counted; more than `max_bad_frac` of the epoch's images aborts the epoch
-    with BadImagesError.
+    with BadImagesError. A batch whose images all fail is yielded empty (B = 0), so
+    that every rank yields one batch per planned batch; with `drop_empty` it is not
+    yielded (evaluation, where an empty batch would only turn the metrics into NaN).
     """
 
     def __init__(
-        self, decoder, plan, mode, num_workers, prefetch, max_bad_frac, stats_period=0
+        self,
+        decoder,
+        plan,
+        mode,
+        num_workers,
+        prefetch,
+        max_bad_frac,
+        stats_period=0,
+        drop_empty=False,
     ):
         self.decoder = decoder
         self.plan = plan
@@ -53,6 +63,7 @@ class ImageLoader:
         self.prefetch = prefetch
         self.max_bad_frac = max_bad_frac
         self.stats_period = stats_period
+        self.drop_empty = drop_empty
         self.epoch = 0
         self.start_batch = 0
         self.bad_images = []
@@ -89,7 +100,8 @@ class ImageLoader:
 
     def __iter__(self):
         batches = self._plan()
-        budget = self.max_bad_frac * sum(len(b) for b in batches)
+        total = sum(len(b) for b in batches)
+        budget = self.max_bad_frac * total
         self.bad_images = []
         wait, images, start = 0.0, 0, time.perf_counter()
         self._stats = {}
@@ -103,7 +115,7 @@ class ImageLoader:
                     break
                 wait += time.perf_counter() - t0
                 images += len(batch.labels)
-                self._record_bad(batch.bad, budget)
+                self._record_bad(batch.bad, budget, total)
                 elapsed = time.perf_counter() - start
                 self._stats = {
                     "data_wait_frac": wait / elapsed if elapsed > 0 else 0.0,
@@ -112,21 +124,23 @@ class ImageLoader:
                     "images": images,
                     "bad_images": len(self.bad_images),
                 }
-                yield batch.images, batch.labels
+                if len(batch.labels) or not self.drop_empty:
+                    yield batch.images, batch.labels
         finally:
             if hasattr(stream, "close"):
                 stream.close()  # Stops the threads or workers on early exit.
 
-    def _record_bad(self, bad, budget):
+    def _record_bad(self, bad, budget, total):
         for path, error in bad:
             logger.warning("skipped bad image %s (%s)", path, error)
         self.bad_images.extend(bad)
         if len(self.bad_images) > budget:
+            # Raised as soon as the count passes the budget, not at the epoch's end.
+            count = len(self.bad_images)
             raise BadImagesError(
-                f"{len(self.bad_images)} images failed to decode in epoch "
-                f"{self.epoch}, "
-                f"more than DATA_LOADER.MAX_BAD_FRAC ({self.max_bad_frac}) allows; "
-                f"first: {self.bad_images[0][0]}"
+                f"{count} images of {total} ({count / total:.1%}) failed to decode "
+                f"in epoch {self.epoch}, more than DATA_LOADER.MAX_BAD_FRAC "
+                f"({self.max_bad_frac}) allows; first: {self.bad_images[0][0]}"
             )
 
     def stats(self):
@@ -175,6 +189,7 @@ def _loader(cfg, index, train, plan):
         cfg.DATA_LOADER.PREFETCH,
         cfg.DATA_LOADER.MAX_BAD_FRAC,
         cfg.DATA_LOADER.STATS_PERIOD,
+        drop_empty=not train,
     )
 
 
@@ -206,8 +221,9 @@ def construct_test_loader(cfg, rank=None, world_size=None):
     """Returns the test ImageLoader of this rank over DATA.PATH/TEST.SPLIT.
 
     No shuffling; the ranks' shards cover every image exactly once (the last batch may
-    be partial, and ranks may differ by one batch). Class folders must match the train
-    split's when both exist, so that labels mean the same.
+    be partial, and ranks may differ by one batch; a batch whose images all fail to
+    decode is left out). Class folders must match the train split's when both exist,
+    so that labels mean the same.
     """
     rank, world_size = sharding.rank_and_world_size(rank, world_size)
     index = _index(cfg, cfg.TEST.SPLIT)
