@@ -144,19 +144,27 @@ def test_signal_checkpoints_and_the_rerun_ends_identically(
     _assert_same_run(uninterrupted, str(tmp_path))
 
 
-def test_sigterm_under_torchrun_checkpoints_every_rank(digits, tmp_path):
-    launcher = [*TORCHRUN, "--nproc_per_node", "2"]
-    opts = ["FSDP.ENABLED", "True"]
+@pytest.mark.parametrize("how", ["torchrun", "NUM_GPUS"])
+def test_sigterm_to_a_multi_process_job_checkpoints_every_rank(digits, tmp_path, how):
+    if how == "torchrun":  # FSDP: every rank writes its shard
+        launcher, opts = [*TORCHRUN, "--nproc_per_node", "2"], ["FSDP.ENABLED", "True"]
+    else:  # DDP, ranks spawned by train_net itself
+        launcher, opts = None, ["NUM_GPUS", "2"]
     proc = _start(digits, tmp_path, *opts, launcher=launcher)
     _wait_for_iterations(tmp_path, 3)
-    proc.send_signal(signal.SIGTERM)  # to torchrun, which passes it to the ranks
+    proc.send_signal(signal.SIGTERM)  # to the launcher, which passes it to the ranks
     code, _, err = _finish(proc)
     assert code != 0
     assert "stopped by SIGTERM at epoch 1" in err, err[-3000:]
     newest = ckpt.last_checkpoint(str(tmp_path))
-    assert newest is not None and newest.endswith(".dcp")
-    files = os.listdir(newest)
-    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files)
+    assert newest is not None and "_iter_" in newest
+    if how == "torchrun":
+        files = os.listdir(newest)
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files)
+    else:
+        assert code == 128 + signal.SIGTERM
+        # Both ranks' random streams are in the one file.
+        assert len(ckpt.load_checkpoint(newest)["rank_states"]) == 2
     _train(digits, tmp_path, *opts, launcher=launcher)
     log = (tmp_path / "stdout.log").read_text()
     assert f"resumed from {newest}" in log

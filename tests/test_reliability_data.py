@@ -44,6 +44,7 @@ BAD = sorted(name for name, (_, bad) in FAULTS.items() if bad)
 MODES = ["threads", "processes", "inline"]
 
 pytestmark = [
+    pytest.mark.reliability,
     pytest.mark.timeout(60),
     # Pillow warns about the 108-megapixel image (it still decodes it).
     pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning"),

@@ -2,6 +2,7 @@
 exact resume, test_net, and the errors a user can cause."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -13,7 +14,15 @@ import torch
 from pycls_fast.config import load_cfg
 from pycls_fast.core import checkpoint as ckpt
 from pycls_fast.core.logging import load_json_stats
-from pycls_fast.core.trainer import NonFiniteLossError, train_model
+from pycls_fast.core.optimizer import lr_at, set_lr
+from pycls_fast.core.trainer import (
+    NonFiniteLossError,
+    build_components,
+    seed_everything,
+    train_epoch,
+    train_model,
+    train_step,
+)
 from pycls_fast.datasets.digits import build_digits_folder
 
 from .conftest import ROOT
@@ -227,3 +236,47 @@ def test_bad_checkpoints_stop_the_run_and_keep_what_was_written(digits, tmp_path
     last.write_bytes(saved[: len(saved) // 2])
     with pytest.raises(ckpt.CheckpointError, match="cannot read checkpoint .*0001"):
         train_model(_cfg(digits, tmp_path, "OPTIM.MAX_EPOCH", "2"))
+
+
+class _WithEmptyBatch:
+    """A train loader whose second batch lost all its images to decoding errors."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def set_epoch(self, epoch, start_batch=0):
+        self.loader.set_epoch(epoch, start_batch)
+
+    def __len__(self):
+        return 3
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        first, third = next(batches), next(batches)
+        batches.close()
+        empty = (first[0][:0], first[1][:0])
+        return iter([first, empty, third])
+
+    def stats(self):
+        return self.loader.stats()
+
+
+def test_a_batch_of_only_bad_images_is_skipped(digits, tmp_path):
+    cfg = _cfg(digits, tmp_path, "AMP.MODE", "fp32", "TRAIN.MIXED_PRECISION", "False")
+    seed_everything(0)
+    with_empty = build_components(cfg, loaders=("train",))
+    with_empty.train_loader = _WithEmptyBatch(with_empty.train_loader)
+    record = train_epoch(with_empty, 0)
+    assert math.isfinite(record["loss"]) and record["loss"] > 0
+    # The same two real batches, at the learning rates of iterations 1 and 3, without
+    # the empty one: the same weights exactly.
+    seed_everything(0)
+    plain = build_components(cfg, loaders=("train",))
+    batches = iter(plain.train_loader)
+    for it in (0, 2):
+        images, labels = next(batches)
+        set_lr(plain.optimizer, lr_at(cfg, it / 3))
+        inputs, targets = plain.train_prep(images, labels)
+        train_step(plain, inputs, targets)
+    for a, b in zip(with_empty.model.parameters(), plain.model.parameters()):
+        assert torch.equal(a, b)

@@ -176,12 +176,16 @@ def build_components(cfg, *, loaders=("train", "test"), weights=None, use_ema=Fa
     return parts
 
 
-def train_step(parts, inputs, targets):
-    """One optimization step; returns (loss tensor, logits, step_skipped)."""
+def train_step(parts, inputs, targets, weight=1.0):
+    """One optimization step; returns (loss tensor, logits, step_skipped).
+
+    inputs: (B, 3, H, W) in the input dtype; targets: (B,) int64 or (B, classes)
+    soft targets. `weight` scales the loss that is backpropagated (0: this rank only
+    takes part in the collectives)."""
     with autocast(parts.device.type, parts.mode, parts.half):
         logits = parts.model(inputs)
     loss = F.cross_entropy(logits.float(), targets)
-    parts.scaler.scale(loss).backward()
+    parts.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
     if parts.master is not None:
         parts.master.grads_to_master()
     found_inf = parts.scaler.unscale_(parts.opt_params)
@@ -194,6 +198,20 @@ def train_step(parts, inputs, targets):
     parts.scaler.update(found_inf)
     parts.optimizer.zero_grad(set_to_none=True)
     return loss.detach(), logits.detach(), found_inf
+
+
+def _step_without_images(parts):
+    """A training batch whose images all failed to decode (the loader yields it empty
+    to keep ranks in step). One process skips the step. Under several processes this
+    rank joins the others' step with a blank image weighted zero, so that DDP's and
+    FSDP's collectives line up and the replicas stay equal. Returns found_inf."""
+    if distributed.world_size() == 1:
+        return False
+    size = parts.cfg.TRAIN.IM_SIZE
+    dtype = input_dtype(parts.mode, parts.half)
+    blank = torch.zeros(1, 3, size, size, dtype=dtype, device=parts.device)
+    label = torch.zeros(1, dtype=torch.long, device=parts.device)
+    return train_step(parts, blank, label, weight=0.0)[2]
 
 
 def _check_finite(parts, loss_value, epoch, it):
@@ -231,14 +249,17 @@ def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
     for it, (images, labels) in enumerate(loader, start=start_iter):
         lr = lr_at(cfg, epoch + it / iters)
         set_lr(parts.optimizer, lr)
-        inputs, targets = parts.train_prep(images, labels)
-        loss, logits, found_inf = train_step(parts, inputs, targets)
+        if len(labels):
+            inputs, targets = parts.train_prep(images, labels)
+            loss, logits, found_inf = train_step(parts, inputs, targets)
+            hard = targets.argmax(dim=1) if targets.ndim == 2 else targets
+            top1, top5 = topk_errors(logits.float(), hard)
+            loss_value = loss.item()
+            _check_finite(parts, loss_value, epoch, it)
+            meter.add(loss_value, top1, top5, len(hard))
+        else:
+            loss_value, found_inf = float("nan"), _step_without_images(parts)
         skipped += int(found_inf)
-        hard = targets.argmax(dim=1) if targets.ndim == 2 else targets
-        top1, top5 = topk_errors(logits.float(), hard)
-        loss_value = loss.item()
-        _check_finite(parts, loss_value, epoch, it)
-        meter.add(loss_value, top1, top5, len(hard))
         if parts.ema is not None and (it + 1) % cfg.OPTIM.EMA_UPDATE_PERIOD == 0:
             update_ema(parts.module, parts.ema, ema_alpha(cfg, epoch))
         if bar is not None:
