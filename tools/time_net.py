@@ -14,7 +14,7 @@ is one JSON object of these figures.
 Runs as train_net does: one process, `NUM_GPUS N`, or under torchrun. With
 `--parallel ddp,fsdp` it instead times the training step of DDP and of FSDP side by
 side (interleaved rounds, medians) and reports per-rank and total img/s, the
-parameter + gradient + optimizer bytes each rank holds, and each rank's peak RSS:
+parameter + optimizer-state bytes each rank holds, and each rank's peak RSS:
 
     torchrun --nproc_per_node 2 tools/time_net.py --cfg FILE --parallel ddp,fsdp
 """
@@ -104,6 +104,8 @@ def compare_parallel(cfg, modes, rounds):
     records = []
     for mode in modes:
         step = statistics.median(times[mode])
+        # After a step: zero_grad has freed the gradients, so this is parameters +
+        # optimizer state (tests/test_distributed.py counts gradients too).
         sizes = state_bytes(built[mode].model, built[mode].optimizer)
         mine = {
             "img_per_s": batch / step,
@@ -135,7 +137,7 @@ def print_parallel(records, args):
         print(
             f"{r['mode']:>11}: {r['total_img_per_s']:.1f} img/s in total over "
             f"{r['processes']} process(es) (per rank: {rates}); step "
-            f"{r['step_ms']:.1f} ms; params+grads+optimizer per rank: {states} MB; "
+            f"{r['step_ms']:.1f} ms; parameters + optimizer state per rank: {states} MB; "
             f"peak RSS per rank: {rss} MB"
         )
     if args.json:
