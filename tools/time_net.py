@@ -137,8 +137,8 @@ def print_parallel(records, args):
         print(
             f"{r['mode']:>11}: {r['total_img_per_s']:.1f} img/s in total over "
             f"{r['processes']} process(es) (per rank: {rates}); step "
-            f"{r['step_ms']:.1f} ms; parameters + optimizer state per rank: {states} MB; "
-            f"peak RSS per rank: {rss} MB"
+            f"{r['step_ms']:.1f} ms; parameters + optimizer state per rank: "
+            f"{states} MB; peak RSS per rank: {rss} MB"
         )
     if args.json:
         print(json.dumps({"config": args.cfg_file, "parallel": records}))
