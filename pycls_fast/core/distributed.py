@@ -231,6 +231,8 @@ def _run_in_group(fn, cfg, init):
 def _spawn(fn, cfg):
     import torch.multiprocessing as mp
 
+    from pycls_fast.core import preemption  # it builds on this module
+
     n = cfg.NUM_GPUS
     if torch.cuda.is_available() and torch.cuda.device_count() < n:
         raise ConfigError(
@@ -242,8 +244,6 @@ def _spawn(fn, cfg):
         "WORLD_SIZE": str(n),
         "LOCAL_WORLD_SIZE": str(n),
     }
-    from pycls_fast.core import preemption
-
     result = mp.get_context("spawn").SimpleQueue()
     context = mp.start_processes(
         _spawned_worker,
