@@ -255,7 +255,12 @@ def _overflow_on_rank_1(cfg):
     for p in params:
         p.grad = torch.zeros_like(p)
     if distributed.rank() == 1:
-        distributed.local_tensor(params[0].grad).fill_(float("inf"))
+        # The first gradient shard that rank 1 holds (pos_embedding's dim 0 is 1, so
+        # its shard on rank 1 is empty).
+        shard = next(
+            g for p in params if (g := distributed.local_tensor(p.grad)).numel()
+        )
+        shard.view(-1)[0] = float("inf")
     found = parts.scaler.unscale_(params)
     parts.scaler.update(found)
     return distributed.all_gather_object((found, parts.scaler.scale_value))
