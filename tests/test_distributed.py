@@ -79,10 +79,12 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 # fp32: the same global batch split over 2 ranks gives the same gradients up to the
 # order of fp32 sums (~1e-7 relative); json_stats prints 6 significant digits.
 FP32_TOL = 1e-4
-# bf16: each rank's matmuls see half the batch, so products are rounded in other
-# blocks and the gradient sums in another order. bf16 keeps 8 significand bits
-# (relative step 2^-8 = 0.4%); over 11 steps the losses stay within a few of those.
-BF16_TOL = 1e-2
+# bf16: each rank's matmuls see half the batch, so bf16 products are rounded in other
+# blocks and the gradients summed in another order; the weights drift apart by a few
+# bf16 rounding steps. Measured over these 11 steps: 1e-5 (O1) and 4e-5 (O2) at most.
+# The bound, 1e-3, is 25x that and under one bf16 step of the loss value itself
+# (2^-8 x 2.3 = 9e-3).
+BF16_TOL = 1e-3
 
 
 @pytest.mark.parametrize(
