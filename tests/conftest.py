@@ -10,6 +10,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from pycls_fast.config import load_cfg  # noqa: E402
+from pycls_fast.datasets.digits import build_digits_folder  # noqa: E402
+
+DIGITS_CFG = os.path.join(ROOT, "configs/examples/vit_digits.yaml")
 
 TINY = [
     "TRAIN.IM_SIZE", "32",
@@ -32,3 +35,11 @@ def tiny_cfg(*opts):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory):
+    """scikit-learn's digits as an ImageNet folder of 16 px images (once a session)."""
+    root = tmp_path_factory.mktemp("digits")
+    build_digits_folder(str(root), size=16)
+    return str(root)

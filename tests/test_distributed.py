@@ -15,22 +15,13 @@ import torch
 from pycls_fast.config import ConfigError, load_cfg
 from pycls_fast.core import distributed
 from pycls_fast.core.logging import load_json_stats
-from pycls_fast.datasets.digits import build_digits_folder
 
-from .conftest import ROOT, TINY
+from .conftest import DIGITS_CFG, ROOT, TINY
 
 pytestmark = pytest.mark.slow
 
-DIGITS_CFG = os.path.join(ROOT, "configs/examples/vit_digits.yaml")
 TRAIN_NET = os.path.join(ROOT, "tools/train_net.py")
 TEST_NET = os.path.join(ROOT, "tools/test_net.py")
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    root = tmp_path_factory.mktemp("digits")
-    build_digits_folder(str(root), size=16)
-    return str(root)
 
 
 def _opts(digits, out_dir, *extra):

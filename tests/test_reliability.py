@@ -19,22 +19,13 @@ from pycls_fast.core.cli import UserError
 from pycls_fast.core.logging import load_json_stats
 from pycls_fast.core.run_lock import OutDirInUseError, RunLock
 from pycls_fast.core.trainer import train_model
-from pycls_fast.datasets.digits import build_digits_folder
 
-from .conftest import ROOT
+from .conftest import DIGITS_CFG, ROOT
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
-DIGITS_CFG = os.path.join(ROOT, "configs/examples/vit_digits.yaml")
 TRAIN_NET = os.path.join(ROOT, "tools/train_net.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    root = tmp_path_factory.mktemp("digits")
-    build_digits_folder(str(root), size=16)
-    return str(root)
 
 
 def _opts(digits, out_dir, *extra):

@@ -23,19 +23,10 @@ from pycls_fast.core.trainer import (
     train_model,
     train_step,
 )
-from pycls_fast.datasets.digits import build_digits_folder
 
-from .conftest import ROOT
+from .conftest import DIGITS_CFG, ROOT
 
-DIGITS_CFG = os.path.join(ROOT, "configs/examples/vit_digits.yaml")
 TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
-
-
-@pytest.fixture(scope="session")
-def digits(tmp_path_factory):
-    root = tmp_path_factory.mktemp("digits")
-    build_digits_folder(str(root), size=16)
-    return str(root)
 
 
 def _cfg(digits, out_dir, *opts):
