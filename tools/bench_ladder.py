@@ -100,6 +100,14 @@ def _parser():
         help="loader threads of the 'loader' rung (0: DATA_LOADER.NUM_WORKERS, at "
         "most the CPU count)",
     )
+    p.add_argument(
+        "--max-others",
+        type=float,
+        default=0.2,
+        help="repeat a step (up to --retries times) during which other jobs took "
+        "more than this many cores (0.2)",
+    )
+    p.add_argument("--retries", type=int, default=3, help="repeats of a step (3)")
     p.add_argument("--plot", default="", help="bar chart PNG (default: none)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.add_argument("opts", nargs="*", help="config overrides: KEY VALUE ...")
@@ -381,7 +389,13 @@ def main():
         dtypes = sorted({info[n][3] for n in steps}, key=str)
         print(f"timing {', '.join(steps)}", flush=True)
         times, others = benchmark.interleave(
-            steps, device, args.rounds, args.iters, args.warmup
+            steps,
+            device,
+            args.rounds,
+            args.iters,
+            args.warmup,
+            max_others=args.max_others,
+            retries=args.retries,
         )
         peaks = measure_peaks(dtypes, device, 5)
         for close in closers:
