@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from pycls_fast.config import load_cfg  # noqa: E402
-from pycls_fast.core import benchmark  # noqa: E402
+from pycls_fast.core import benchmark, distributed  # noqa: E402
 from pycls_fast.core.cli import UserError, run  # noqa: E402
 from pycls_fast.core.precision import input_dtype  # noqa: E402
 from pycls_fast.core.trainer import (  # noqa: E402
@@ -242,7 +242,7 @@ def build_variants(args, rungs, peers, root):
         print(f"building {name}", flush=True)
         seed_everything(last_cfg.RNG_SEED)
         model = build_timm_vit(last_cfg)
-        parts = benchmark.components_for_model(last_cfg, model, torch.device("cpu"))
+        parts = benchmark.components_for_model(last_cfg, model, distributed.device())
         if name == "timm_compile":
             _compile_in_place(parts.model)
         step = SyntheticStep(parts, args.batch)
@@ -376,7 +376,7 @@ def main():
     if not args.chosen and not peers:
         raise UserError("nothing to run: --steps and --peers are both empty")
     rungs = rung_configs(args.cfg_file, args.opts, args.batch)
-    device = torch.device("cpu")
+    device = distributed.device()  # where build_components puts the rungs
     with tempfile.TemporaryDirectory() as root:
         if "loader" in args.chosen:
             # Enough batches for every call, plus the loader's read-ahead.
