@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-slow lint format demo bench-attention bench-loader clean
+.PHONY: setup test test-slow lint format demo bench bench-attention bench-loader clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,11 @@ demo: setup
 # Scenario tests marked slow (also part of `make test`), alone.
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# The optimization ladder and its timm peers on ViT-P-4GF dims (a few minutes on 2 cores).
+bench: setup
+	$(PY) tools/bench_ladder.py --cfg configs/pycls/ViT-P-4GF.yaml \
+		--plot out/bench/ladder_ViT-P-4GF.png
 
 bench-attention: setup
 	$(PY) tools/bench_attention.py

@@ -1,18 +1,30 @@
 """Timing of the training step, evaluation, the loader, and the device's matmul peak.
 
-Used by tools/time_net.py. Times are medians over PREC_TIME.NUM_ITER iterations after
-PREC_TIME.WARMUP_ITER warm-up iterations, on synthetic batches (the loader is timed on
-its own), so the figures isolate compute from data.
+Used by tools/time_net.py and tools/bench_ladder.py. Times are medians over
+PREC_TIME.NUM_ITER iterations after PREC_TIME.WARMUP_ITER warm-up iterations, on
+synthetic batches (the loader is timed on its own), so the figures isolate compute from
+data. `interleave` times several variants side by side (A, B, C, A, B, C, ...), the
+only comparison that holds on a machine shared with other jobs.
 """
 
+import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from pycls_fast.core.precision import AmpMode, autocast, input_dtype
-from pycls_fast.core.trainer import train_step
+from pycls_fast.core.optimizer import construct_optimizer, param_groups
+from pycls_fast.core.precision import (
+    AmpMode,
+    MasterWeights,
+    autocast,
+    input_dtype,
+    loss_scaler,
+    prepare_model,
+    resolve_amp,
+)
+from pycls_fast.core.trainer import Components, train_step
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
@@ -46,6 +58,33 @@ def synthetic_batch(parts, batch_size, im_size, train=True):
     dtype = input_dtype(parts.mode, parts.half)
     inputs = (images.float() / 255.0 - 0.45) / 0.225
     return inputs.to(parts.device, dtype), labels.to(parts.device)
+
+
+def components_for_model(cfg, model, device):
+    """Training components of `cfg` (precision, optimizer, scaler; no loaders, no EMA)
+    around another `model`, e.g. timm's ViT as a peer in benchmarks. Built as
+    `trainer.build_components` builds ours, so that only the model differs."""
+    mode, half = resolve_amp(cfg)
+    model.to(device)
+    prepare_model(model, mode, half, cfg.AMP.LAYER_NORM_FP32)
+    groups = param_groups(model, cfg)
+    master = None
+    if mode is AmpMode.O2:
+        master = MasterWeights(model.parameters())
+        for g in groups:
+            g["params"] = [master.master_for(p) for p in g["params"]]
+    dtype = half if mode is not AmpMode.FP32 else torch.float32
+    return Components(
+        cfg=cfg,
+        device=device,
+        mode=mode,
+        half=half,
+        model=model,
+        optimizer=construct_optimizer(groups, cfg),
+        scaler=loss_scaler(dtype),
+        master=master,
+        opt_params=[p for g in groups for p in g["params"]],
+    )
 
 
 def time_train(parts, batch_size, warmup, iters):
@@ -118,6 +157,69 @@ def matmul_peak_flops(device, dtype, size=None, iters=10):
     b = torch.randn(size, size, device=device).to(dtype)
     seconds = _median_time(lambda: torch.mm(a, b), device, 2, iters)
     return 2.0 * size**3 / seconds
+
+
+def train_flops(flops_per_image, batch_size):
+    """Model FLOPs of one training step: forward multiply-adds x 2 FLOPs x 3 (forward,
+    and a backward that costs two forwards), as MFU is conventionally counted."""
+    return 3 * 2 * flops_per_image * batch_size
+
+
+def machine_busy_seconds():
+    """Seconds of non-idle CPU time of the whole machine since boot (/proc/stat; NaN
+    where it cannot be read)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except OSError:
+        return float("nan")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds():
+    """User + system CPU time of this process (all threads) and its reaped children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _timed_call(fn, device):
+    """(seconds, other jobs' CPU in cores) of one call of `fn`."""
+    busy0, own0 = machine_busy_seconds(), process_cpu_seconds()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    seconds = time.perf_counter() - start
+    others = machine_busy_seconds() - busy0 - (process_cpu_seconds() - own0)
+    return seconds, max(others, 0.0) / seconds
+
+
+def interleave(steps, device, rounds, iters, warmup=1, max_others=0.2, retries=3):
+    """Times each of `steps` ({name: fn}) side by side: `warmup` untimed calls of each,
+    then `rounds` rounds in which every step runs `iters` timed calls in turn.
+
+    A call during which other jobs on the machine took more than `max_others` cores
+    (/proc/stat minus this process) is repeated, up to `retries` times, keeping the
+    least contended. Returns ({name: [seconds per call]}, {name: [other jobs' cores
+    during each kept call]}).
+    """
+    for fn in steps.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in steps}
+    others = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            for _ in range(iters):
+                best = _timed_call(fn, device)
+                for _ in range(retries):
+                    if not best[1] > max_others:  # NaN (no /proc/stat): keep
+                        break
+                    best = min(best, _timed_call(fn, device), key=lambda c: c[1])
+                times[name].append(best[0])
+                others[name].append(best[1])
+    return times, others
 
 
 def compute_dtype(parts):

@@ -296,14 +296,17 @@ class ViT(nn.Module):
     def forward(self, x):
         # (n, c, h, w) -> (n, hidden_d, n_h, n_w) -> (n, hidden_d, n_h * n_w)
         x = self.stem(x).flatten(2)
+        # One copy to a contiguous token tensor here: left strided, the residual stream
+        # stays strided through every block, so that each LayerNorm (forward and
+        # backward) copies it and each residual add runs on strided memory.
         if self.batch_first:
-            x = x.transpose(1, 2)  # (n, seq, hidden_d)
+            x = x.transpose(1, 2).contiguous()  # (n, seq, hidden_d)
             if self.class_token is not None:
                 x = torch.cat([self.class_token.expand(x.size(0), -1, -1), x], dim=1)
             x = self.encoder(x + self.pos_embedding)
             x = x[:, 0] if self.class_token is not None else x.mean(dim=1)
         else:
-            x = x.permute(2, 0, 1)  # (seq, n, hidden_d)
+            x = x.permute(2, 0, 1).contiguous()  # (seq, n, hidden_d)
             if self.class_token is not None:
                 x = torch.cat([self.class_token.expand(-1, x.size(1), -1), x], dim=0)
             x = self.encoder(x + self.pos_embedding.transpose(0, 1))
