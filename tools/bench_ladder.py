@@ -242,7 +242,7 @@ def build_variants(args, rungs, peers, root):
         print(f"building {name}", flush=True)
         seed_everything(last_cfg.RNG_SEED)
         model = build_timm_vit(last_cfg)
-        parts = benchmark.components_for_model(last_cfg, model, distributed.device())
+        parts = build_components(last_cfg, loaders=False, model=model)
         if name == "timm_compile":
             _compile_in_place(parts.model)
         step = SyntheticStep(parts, args.batch)

@@ -14,17 +14,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pycls_fast.core.optimizer import construct_optimizer, param_groups
 from pycls_fast.core.precision import (
     AmpMode,
-    MasterWeights,
     autocast,
     input_dtype,
-    loss_scaler,
-    prepare_model,
-    resolve_amp,
 )
-from pycls_fast.core.trainer import Components, train_step
+from pycls_fast.core.trainer import train_step
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
@@ -58,33 +53,6 @@ def synthetic_batch(parts, batch_size, im_size, train=True):
     dtype = input_dtype(parts.mode, parts.half)
     inputs = (images.float() / 255.0 - 0.45) / 0.225
     return inputs.to(parts.device, dtype), labels.to(parts.device)
-
-
-def components_for_model(cfg, model, device):
-    """Training components of `cfg` (precision, optimizer, scaler; no loaders, no EMA)
-    around another `model`, e.g. timm's ViT as a peer in benchmarks. Built as
-    `trainer.build_components` builds ours, so that only the model differs."""
-    mode, half = resolve_amp(cfg)
-    model.to(device)
-    prepare_model(model, mode, half, cfg.AMP.LAYER_NORM_FP32)
-    groups = param_groups(model, cfg)
-    master = None
-    if mode is AmpMode.O2:
-        master = MasterWeights(model.parameters())
-        for g in groups:
-            g["params"] = [master.master_for(p) for p in g["params"]]
-    dtype = half if mode is not AmpMode.FP32 else torch.float32
-    return Components(
-        cfg=cfg,
-        device=device,
-        mode=mode,
-        half=half,
-        model=model,
-        optimizer=construct_optimizer(groups, cfg),
-        scaler=loss_scaler(dtype),
-        master=master,
-        opt_params=[p for g in groups for p in g["params"]],
-    )
 
 
 def time_train(parts, batch_size, warmup, iters):

@@ -125,16 +125,20 @@ def lock_out_dir(cfg):
     return lock
 
 
-def build_components(cfg, *, loaders=("train", "test"), weights=None, use_ema=False):
+def build_components(
+    cfg, *, loaders=("train", "test"), weights=None, use_ema=False, model=None
+):
     """Builds the model, precision, parallel wrapper, optimizer, scaler, EMA and the
     loaders (and their device-side batch preparation) of the splits named in
     `loaders`. `weights`: a checkpoint to load into the model before it is wrapped
-    (its EMA weights with `use_ema`)."""
+    (its EMA weights with `use_ema`). `model`: another nn.Module to train in place of
+    the config's (e.g. a peer implementation in benchmarks)."""
     device = distributed.device()
     mode, half = resolve_amp(cfg)
-    model = build_model(cfg)
-    if cfg.TRAIN.WEIGHTS:
-        ckpt.load_model_weights(model, cfg.TRAIN.WEIGHTS, allow_missing_head=True)
+    if model is None:
+        model = build_model(cfg)
+        if cfg.TRAIN.WEIGHTS:
+            ckpt.load_model_weights(model, cfg.TRAIN.WEIGHTS, allow_missing_head=True)
     if weights:
         ckpt.load_model_weights(model, weights, use_ema=use_ema)
     model.to(device)
