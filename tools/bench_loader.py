@@ -39,6 +39,10 @@ import numpy as np  # noqa: E402
 
 from pycls_fast.config import get_cfg  # noqa: E402
 from pycls_fast.core.cli import UserError, run  # noqa: E402
+from pycls_fast.core.cpu_time import (  # noqa: E402
+    machine_busy_seconds,
+    process_cpu_seconds,
+)
 
 MODES = ("single", "ceiling", "threads", "threads-per-image", "processes")
 LOADERS = ("threads", "threads-per-image", "processes")
@@ -131,11 +135,15 @@ class Bench:
         if mode == "idle":  # Memory baseline: everything imported, nothing decoded.
             time.sleep(0.5)
             return 0.0, 0.0
-        t0, cpu0, busy0 = time.perf_counter(), _cpu_seconds(), _machine_busy()
+        t0, cpu0, busy0 = (
+            time.perf_counter(),
+            process_cpu_seconds(),
+            machine_busy_seconds(),
+        )
         count = getattr(self, "_" + mode.replace("-", "_"))()
-        wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+        wall, cpu = time.perf_counter() - t0, process_cpu_seconds() - cpu0
         # CPU that other jobs took meanwhile, in cores (NaN where /proc/stat is not).
-        self.foreign = (_machine_busy() - busy0 - cpu) / wall
+        self.foreign = (machine_busy_seconds() - busy0 - cpu) / wall
         assert count == self.images, (mode, count)
         return count / wall, 1000 * cpu / count
 
@@ -191,24 +199,6 @@ class Bench:
         )
         with pipeline.auto_stop():
             return sum(len(b.labels) for b in pipeline)
-
-
-def _cpu_seconds():
-    """User + system CPU time of this process and its reaped children (workers)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-def _machine_busy():
-    """Seconds of non-idle CPU time of the whole machine since boot (/proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:9]]
-    except OSError:
-        return float("nan")
-    user, nice, system, idle, iowait, irq, softirq, steal = fields
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (user + nice + system + irq + softirq + steal) / ticks
 
 
 def _tree_memory(proc):

@@ -7,13 +7,13 @@ data. `interleave` times several variants side by side (A, B, C, A, B, C, ...), 
 only comparison that holds on a machine shared with other jobs.
 """
 
-import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from pycls_fast.core.cpu_time import machine_busy_seconds, process_cpu_seconds
 from pycls_fast.core.precision import (
     AmpMode,
     autocast,
@@ -131,24 +131,6 @@ def train_flops(flops_per_image, batch_size):
     """Model FLOPs of one training step: forward multiply-adds x 2 FLOPs x 3 (forward,
     and a backward that costs two forwards), as MFU is conventionally counted."""
     return 3 * 2 * flops_per_image * batch_size
-
-
-def machine_busy_seconds():
-    """Seconds of non-idle CPU time of the whole machine since boot (/proc/stat; NaN
-    where it cannot be read)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:9]]
-    except OSError:
-        return float("nan")
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_seconds():
-    """User + system CPU time of this process (all threads) and its reaped children."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
 
 
 def _timed_call(fn, device):
