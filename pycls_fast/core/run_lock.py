@@ -20,13 +20,15 @@ class OutDirInUseError(UserError):
 
 
 class RunLock:
-    """Holds OUT_DIR/.lock for the life of a training (`with RunLock(out_dir):`)."""
+    """Holds OUT_DIR/.lock for the life of a training: `with RunLock(out_dir):`, or
+    `acquire()` ... `release()`."""
 
     def __init__(self, out_dir):
         self.path = os.path.join(out_dir, LOCK_FILE)
         self.fd = None
 
-    def __enter__(self):
+    def acquire(self):
+        """Takes the lock; OutDirInUseError naming the holder if another has it."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -42,8 +44,14 @@ class RunLock:
         self.fd = fd
         return self
 
-    def __exit__(self, *exc):
+    def release(self):
         if self.fd is not None:
             os.close(self.fd)  # closing releases the lock
             self.fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
         return False

@@ -114,7 +114,7 @@ def lock_out_dir(cfg):
     lock, error = None, None
     if distributed.is_main():
         try:
-            lock = RunLock(cfg.OUT_DIR).__enter__()
+            lock = RunLock(cfg.OUT_DIR).acquire()
         except OutDirInUseError as e:
             error = str(e)
         else:
@@ -521,7 +521,7 @@ def train_model(cfg):
             return _train(cfg, stop)
     finally:
         if lock is not None:
-            lock.__exit__(None, None, None)
+            lock.release()
 
 
 def _train(cfg, stop):
