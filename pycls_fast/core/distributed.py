@@ -287,6 +287,7 @@ def _spawned_worker(index, fn, cfg, env, result):
     from pycls_fast.core.preemption import Stopped
 
     os.environ.update(env, RANK=str(index), LOCAL_RANK=str(index))
+    code = 0
     try:
         out = ("done", _run_in_group(fn, cfg, init_process_group))
     except Stopped as e:
@@ -294,12 +295,22 @@ def _spawned_worker(index, fn, cfg, env, result):
         # that the launcher reports with the signal's exit status.
         out = ("stopped", str(e), e.signum)
     except (ConfigError, UserError) as e:
-        print(f"error: rank {index}: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        print(f"error: rank {index}: {e}", file=sys.stderr)
+        out, code = None, 2
     except KeyboardInterrupt:
-        sys.exit(130)
+        out, code = None, 130
     except Exception as e:  # noqa: BLE001 - reported with the rank, then exit 1
         print(f"error: rank {index}: {type(e).__name__}: {e}", file=sys.stderr)
-        sys.exit(1)
-    if index == 0:
+        out, code = None, 1
+    if index == 0 and out is not None:
         result.put(out)
+    _hard_exit(code)
+
+
+def _hard_exit(code):
+    """Ends a process that used a process group, skipping the interpreter's teardown:
+    torch's gloo objects still alive then (device meshes cache their groups) can
+    abort the process (SIGABRT) while being destroyed, after all work is done."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
