@@ -1,7 +1,9 @@
 """Image decoding with Pillow: reduced-size JPEG decoding, RGB conversion, bad files.
 
 Pillow releases the GIL while it decodes and resizes, so several loader threads decode
-in parallel. For JPEGs, `Image.draft` makes libjpeg scale by 1/2, 1/4 or 1/8 during the
+in parallel. The train crop is resized by torch's uint8 antialiased bilinear kernel
+(crop_flip_resize), about 4x faster than Pillow's on one core; it too runs without the
+GIL. For JPEGs, `Image.draft` makes libjpeg scale by 1/2, 1/4 or 1/8 during the
 inverse DCT, which skips most of the decoding work when the output is much smaller than
 the file. (spdl's own decoders, `spdl.io`, need FFmpeg shared libraries that a plain pip
 install does not bring, so they are not used here.)
@@ -9,8 +11,16 @@ install does not bring, so they are not used here.)
 
 import io
 import math
+import warnings
 
+import numpy as np
+import torch
+import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
+
+# Pillow hands out read-only arrays; torch warns (once) when wrapping one, although
+# crop_flip_resize only reads it.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 # What Pillow raises for corrupt, truncated or unsupported files. DecompressionBombError
 # (a decompression-bomb guard) subclasses Exception, not OSError: Pillow raises it from
@@ -82,3 +92,31 @@ def crop_resize(im, box, out_size):
     box = draft_for(im, box, out_size)
     im = to_rgb(im)
     return im.resize(out_size, Image.BILINEAR, box=box)
+
+
+def crop_flip_resize(im, box, out_size, flip=False):
+    """Decodes `im`, crops `box`, optionally mirrors it and resizes it to `out_size`.
+
+    `box` = (left, top, right, bottom) in full-size pixels, rounded to whole pixels of
+    the decoded (possibly JPEG-draft reduced) image; `out_size` = (w, h). Returns a
+    C-contiguous uint8 (h, w, 3) RGB array. The resize is torch's antialiased bilinear
+    (Pillow's BILINEAR filter, vectorized for uint8 and channels-last; one thread for
+    any input size, so it does not oversubscribe the cores under loader threads). It
+    filters within the crop, where Pillow's `resize(box=...)` also reads the pixels
+    just outside it: only the outermost output pixels differ.
+    """
+    box = draft_for(im, box, out_size)
+    im = to_rgb(im)
+    w, h = im.size
+    left, top = min(round(box[0]), w - 1), min(round(box[1]), h - 1)
+    right, bottom = max(round(box[2]), left + 1), max(round(box[3]), top + 1)
+    im = im.crop((max(left, 0), max(top, 0), min(right, w), min(bottom, h)))
+    if flip:
+        im = im.transpose(Image.FLIP_LEFT_RIGHT)  # Mirroring commutes with the resize.
+    # (1, h, w, 3) permuted to NCHW is channels-last, the layout of the fast kernel,
+    # and the output keeps it, so [0].permute(1, 2, 0) is a contiguous (h, w, 3).
+    x = torch.from_numpy(np.asarray(im))[None].permute(0, 3, 1, 2)
+    out = F.interpolate(
+        x, size=(out_size[1], out_size[0]), mode="bilinear", antialias=True
+    )
+    return out[0].permute(1, 2, 0).numpy()

@@ -2,8 +2,10 @@
 
 Train: random-resized-crop + horizontal flip at TRAIN.IM_SIZE, then the optional
 TRAIN.AUGMENT policy (timm's AutoAugment / RandAugment). Test: resize the shorter side
-to TEST.IM_SIZE and center-crop TRAIN.IM_SIZE (pycls). Crop and resize are one Pillow
-call (`resize(box=...)`), on a reduced-size JPEG decode where that keeps enough pixels.
+to TEST.IM_SIZE and center-crop TRAIN.IM_SIZE (pycls). The train crop is resized
+by torch's uint8 antialiased bilinear kernel (`crop_flip_resize`); the test crop by
+Pillow (`resize(box=...)`, exact pycls resize-then-crop at fractional boxes); both on a
+reduced-size JPEG decode where that keeps enough pixels.
 Colour normalization and PCA lighting are not here: they run on the device
 (pycls_fast/datasets/device.py), so batches stay uint8 on the host.
 """
@@ -14,7 +16,7 @@ import re
 from PIL import Image
 
 from pycls_fast.config import ConfigError
-from pycls_fast.datasets.decode import crop_resize
+from pycls_fast.datasets.decode import crop_flip_resize, crop_resize
 
 # ImageNet mean in 0-255, timm's fill colour for geometric augmentations.
 _FILL = (124, 116, 104)
@@ -101,17 +103,20 @@ class TrainTransform:
     def __call__(self, im, rng):
         """`im`: an opened (not yet decoded) PIL image; `rng`: a `random.Random`.
 
-        Returns an RGB PIL image of `im_size` x `im_size`. timm's augmentations draw
-        from the global `random` module, so with TRAIN.AUGMENT set, results are not
-        reproducible across runs of a multi-threaded loader.
+        Returns a uint8 (im_size, im_size, 3) RGB array, or with TRAIN.AUGMENT an RGB
+        PIL image of that size (timm's policies work on PIL images, so that path
+        resizes with Pillow). timm's augmentations draw from the global `random`
+        module, so with TRAIN.AUGMENT set, results are not reproducible across runs of
+        a multi-threaded loader.
         """
         box = random_resized_crop_box(*im.size, rng, scale=self.scale)
+        flip = rng.random() < self.hflip
+        if self.augment is None:
+            return crop_flip_resize(im, box, self.out_size, flip)
         im = crop_resize(im, box, self.out_size)
-        if rng.random() < self.hflip:
+        if flip:
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
-        if self.augment is not None:
-            im = self.augment(im)
-        return im
+        return self.augment(im)
 
 
 class TestTransform:
