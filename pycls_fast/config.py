@@ -431,13 +431,14 @@ _C.DATA.INDEX_CACHE = True
 # ------------------------------- Data loader options -------------------------------- #
 _C.DATA_LOADER = CfgNode()
 
-# Number of decoding threads ('threads' mode) or worker processes ('processes' mode)
+# Number of decoding threads ('threads', 'spdl' modes) or worker processes ('processes')
 _C.DATA_LOADER.NUM_WORKERS = 8
 
 # Load data to pinned host memory (applies when training on a GPU)
 _C.DATA_LOADER.PIN_MEMORY = True
 
-# pycls_fast: 'threads' (in-process thread pipeline) or 'processes' (torch DataLoader)
+# pycls_fast: 'threads' (in-process decoding threads), 'spdl' (the same in an
+# spdl.pipeline) or 'processes' (torch DataLoader)
 _C.DATA_LOADER.MODE = "threads"
 
 # pycls_fast: abort when more than this fraction of images fail to decode
@@ -447,8 +448,9 @@ _C.DATA_LOADER.MAX_BAD_FRAC = 0.01
 # (at least one per worker plus one)
 _C.DATA_LOADER.PREFETCH = 4
 
-# pycls_fast: log per-stage task time and queue occupancy every this many seconds
-# ('threads' mode, logger spdl.pipeline; 0 turns it off)
+# pycls_fast: log decoding throughput, task time and queue occupancy every this many
+# seconds ('threads' mode: logger pycls_fast.datasets.threaded; 'spdl' mode: logger
+# spdl.pipeline; 0 turns it off)
 _C.DATA_LOADER.STATS_PERIOD = 0.0
 
 
@@ -741,7 +743,7 @@ _CHOICES = {
     "OPTIM.LR_POLICY": ["cos", "exp", "lin", "steps"],
     "AMP.MODE": ["", "fp32", "O1", "O2", "O3"],
     "AMP.DTYPE": ["bf16", "fp16"],
-    "DATA_LOADER.MODE": ["threads", "processes"],
+    "DATA_LOADER.MODE": ["threads", "spdl", "processes"],
     "LOG_DEST": ["stdout", "file"],
     "LAUNCH.MODE": ["local", "slurm", "submitit_local"],
 }

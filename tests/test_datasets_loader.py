@@ -76,17 +76,19 @@ def test_two_ranks_disjoint_equal_and_deterministic(data_root, tmp_path):
     assert a[0][0].shape[0] == 2
 
 
-def test_threads_and_processes_yield_identical_batches(data_root, tmp_path):
+def test_all_modes_yield_identical_batches(data_root, tmp_path):
     threads = _epoch(construct_train_loader(_cfg(data_root, tmp_path)), 2)
-    cfg = _cfg(data_root, tmp_path, DATA_LOADER__MODE="processes")
-    procs = _epoch(construct_train_loader(cfg), 2)
     inline = _epoch(
         construct_train_loader(_cfg(data_root, tmp_path, DATA_LOADER__NUM_WORKERS=0)), 2
     )
-    assert len(threads) == len(procs) == len(inline) == 4
-    for (x, y), (p, q), (s, t) in zip(threads, procs, inline):
-        assert torch.equal(x, p) and torch.equal(y, q)
-        assert torch.equal(x, s) and torch.equal(y, t)
+    assert len(threads) == len(inline) == 4
+    for mode in ("spdl", "processes"):
+        cfg = _cfg(data_root, tmp_path, DATA_LOADER__MODE=mode)
+        other = _epoch(construct_train_loader(cfg), 2)
+        assert len(other) == 4
+        for (x, y), (p, q), (s, t) in zip(threads, other, inline):
+            assert torch.equal(x, p) and torch.equal(y, q)
+            assert torch.equal(x, s) and torch.equal(y, t)
 
 
 def test_test_split_covered_once_across_ranks(data_root, tmp_path):
@@ -121,7 +123,7 @@ def _corrupt(root, tmp_path):
     return bad_root, victim
 
 
-@pytest.mark.parametrize("mode", ["threads", "processes"])
+@pytest.mark.parametrize("mode", ["threads", "spdl", "processes"])
 def test_corrupt_images_skipped_counted_logged(tmp_path, caplog, mode):
     bad_root, victim = _corrupt(None, tmp_path)
     cfg = _cfg(bad_root, tmp_path, TRAIN__BATCH_SIZE=17, DATA_LOADER__MAX_BAD_FRAC=0.2)
@@ -194,12 +196,32 @@ def test_resume_mid_epoch_skips_batches(data_root, tmp_path):
 
 def test_stage_stats_logged_on_request(data_root, tmp_path, caplog):
     loader = construct_train_loader(
-        _cfg(data_root, tmp_path, DATA_LOADER__STATS_PERIOD=0.01)
+        _cfg(data_root, tmp_path, DATA_LOADER__STATS_PERIOD=1e-9)
+    )
+    with caplog.at_level(logging.INFO, logger="pycls_fast.datasets.threaded"):
+        _epoch(loader)
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith("threaded")]
+    # One line per batch at this period; the first covers the 4 images of batch 1
+    # (tasks of later batches may have finished too).
+    assert len(lines) == 4 and all("threads busy" in line for line in lines)
+    assert "ready batches" in lines[0] and " of 4 on average" in lines[0]
+    caplog.clear()
+    loader = construct_train_loader(
+        _cfg(
+            data_root,
+            tmp_path,
+            DATA_LOADER__STATS_PERIOD=0.01,
+            DATA_LOADER__MODE="spdl",
+        )
     )
     with caplog.at_level(logging.INFO, logger="spdl.pipeline"):
         _epoch(loader)
     assert "decode_chunk" in caplog.text and "Occupancy rate" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="spdl.pipeline"):
+    with caplog.at_level(logging.INFO):
         _epoch(construct_train_loader(_cfg(data_root, tmp_path)))
-    assert "Occupancy rate" not in caplog.text  # off by default
+        _epoch(
+            construct_train_loader(_cfg(data_root, tmp_path, DATA_LOADER__MODE="spdl"))
+        )
+    assert "threads busy" not in caplog.text  # off by default
+    assert "Occupancy rate" not in caplog.text

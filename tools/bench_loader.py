@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Loader benchmark: threaded (spdl) vs ideal vs torch DataLoader, images/s and memory.
+"""Loader benchmark: threaded vs spdl vs ideal vs torch DataLoader, images/s and memory.
 
     python tools/bench_loader.py                  # `make bench-loader`
     python tools/bench_loader.py --data /datasets/imagenet --images 4096 --workers 8
@@ -10,7 +10,8 @@ run, interleaved round by round (single, threads, processes, ...; medians):
   thread, no loader; the ideal is min(workers, cores) x this rate;
 - ceiling: the same work split over `workers` independent processes that send nothing
   back: what the cores deliver in parallel, with no loader at all;
-- threads: DATA_LOADER.MODE threads (spdl pipeline, batch-level tasks);
+- threads: DATA_LOADER.MODE threads (decoding threads fed by the consumer);
+- spdl: DATA_LOADER.MODE spdl (the same chunk tasks in an spdl.pipeline);
 - threads-per-image: an spdl pipeline with one task per image (for comparison);
 - processes: DATA_LOADER.MODE processes (torch DataLoader, same work and workers).
 Each loader figure is a whole epoch over --images images, start-up included; "CPU ms /
@@ -44,8 +45,8 @@ from pycls_fast.core.cpu_time import (  # noqa: E402
     process_cpu_seconds,
 )
 
-MODES = ("single", "ceiling", "threads", "threads-per-image", "processes")
-LOADERS = ("threads", "threads-per-image", "processes")
+MODES = ("single", "ceiling", "threads", "spdl", "threads-per-image", "processes")
+LOADERS = ("threads", "spdl", "threads-per-image", "processes")
 
 
 def _parser():
@@ -111,7 +112,7 @@ def _data_root(args):
 
 
 class Bench:
-    """The four ways of producing the same epoch of batches."""
+    """The ways (MODES) of producing the same epoch of batches."""
 
     def __init__(self, args, root):
         from pycls_fast.datasets import loader, sharding
@@ -172,6 +173,10 @@ class Bench:
 
     def _threads(self):
         self.loader.mode = "threads"
+        return sum(len(y) for _, y in self.loader)
+
+    def _spdl(self):
+        self.loader.mode = "spdl"
         return sum(len(y) for _, y in self.loader)
 
     def _processes(self):

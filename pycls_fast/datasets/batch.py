@@ -6,6 +6,8 @@ the threaded and the process loader yield identical batches.
 """
 
 import random
+import threading
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -29,6 +31,41 @@ def image_seed(seed, epoch, index):
     return ((seed * 1_000_003 + epoch) << 32) + int(index)
 
 
+class BufferPool:
+    """Batch buffers handed out again once nothing refers to them any more.
+
+    A fresh 10 MB buffer per batch costs page faults on every write (about 5% of the
+    decoding CPU), and, freed by another thread than the one that allocated it, grows
+    glibc's heaps: the threaded loader's peak memory measured 1.6x that of the process
+    loader without this pool. Each buffer is handed out as a view; when the view dies
+    (the batch and every tensor made from it are gone), the base array returns here.
+    At most `keep` idle buffers are kept; any number may be in use.
+    """
+
+    def __init__(self, keep=8):
+        self.keep = keep
+        self._idle = []
+        self._lock = threading.Lock()
+
+    def get(self, shape):
+        """Returns an uninitialized uint8 array of `shape` (a view of a pooled one)."""
+        with self._lock:
+            for i, base in enumerate(self._idle):
+                if base.shape == shape:
+                    del self._idle[i]
+                    break
+            else:
+                base = np.empty(shape, dtype=np.uint8)
+        view = base[...]
+        weakref.finalize(view, self._put, base)
+        return view
+
+    def _put(self, base):
+        with self._lock:
+            if len(self._idle) < self.keep:
+                self._idle.append(base)
+
+
 class ImageDecoder:
     """Decodes and transforms images of a FileIndex; picklable for worker processes."""
 
@@ -38,8 +75,14 @@ class ImageDecoder:
         self.shape = (im_size, im_size, 3)
         self.seed = seed
         # Batches allocated in pinned memory copy to a GPU asynchronously, with no
-        # extra host copy (only set when CUDA is present).
+        # extra host copy (only set when CUDA is present). torch caches pinned blocks
+        # itself, and knows when an asynchronous copy from one is done: no pool then.
         self.pin_memory = pin_memory
+        self.pool = None if pin_memory else BufferPool()
+
+    def __getstate__(self):
+        # Worker processes allocate their batches in shared memory, not from a pool.
+        return {**self.__dict__, "pool": None}
 
     def load(self, i, epoch):
         """Returns image `i` as a uint8 (H, W, 3) array, or (path, error) if the file
@@ -69,17 +112,20 @@ class ImageDecoder:
 class PartialBatch:
     """A batch being decoded, possibly by several threads at once (disjoint rows).
 
-    Images are written straight into one preallocated (B, H, W, 3) uint8 buffer, in
-    pinned memory when the decoder asks for it.
+    Images are written straight into one preallocated (B, H, W, 3) uint8 buffer, from
+    the decoder's pool, or in pinned memory when the decoder asks for it.
     """
 
     def __init__(self, decoder, indices):
         self.decoder = decoder
         self.indices = indices
         shape = (len(indices), *decoder.shape)
-        self.images = torch.empty(
-            shape, dtype=torch.uint8, pin_memory=decoder.pin_memory
-        )
+        if decoder.pool is not None:
+            self.images = torch.from_numpy(decoder.pool.get(shape))
+        else:
+            self.images = torch.empty(
+                shape, dtype=torch.uint8, pin_memory=decoder.pin_memory
+            )
         self.ok = np.ones(len(indices), dtype=bool)
         self.bad = []
         self.chunks_done = 0  # Counted by the (single) consumer of finished chunks.

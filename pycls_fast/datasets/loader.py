@@ -24,6 +24,7 @@ from pycls_fast.datasets import sharding
 from pycls_fast.datasets.batch import ImageDecoder
 from pycls_fast.datasets.index import load_index
 from pycls_fast.datasets.processes import iterate_processes
+from pycls_fast.datasets.spdl_pipeline import iterate_spdl
 from pycls_fast.datasets.threaded import iterate_threaded
 from pycls_fast.datasets.transforms import build_transform
 
@@ -37,12 +38,13 @@ class BadImagesError(UserError):
 class ImageLoader:
     """Iterable of (images, labels) batches of one rank, one epoch per iteration.
 
-    `plan(epoch)` returns the epoch's batches as index arrays; `mode` is 'threads' or
-    'processes'. A bad image is skipped (its batch is one smaller), logged with its
-    path and counted; more than `max_bad_frac` of the epoch's images aborts the epoch
-    with BadImagesError. A batch whose images all fail is yielded empty (B = 0), so
-    that every rank yields one batch per planned batch; with `drop_empty` it is not
-    yielded (evaluation, where an empty batch would only turn the metrics into NaN).
+    `plan(epoch)` returns the epoch's batches as index arrays; `mode` is 'threads',
+    'spdl' or 'processes'. A bad image is skipped (its batch is one smaller), logged
+    with its path and counted; more than `max_bad_frac` of the epoch's images aborts
+    the epoch with BadImagesError. A batch whose images all fail is yielded empty
+    (B = 0), so that every rank yields one batch per planned batch; with `drop_empty`
+    it is not yielded (evaluation, where an empty batch would only turn the metrics
+    into NaN).
     """
 
     def __init__(
@@ -89,7 +91,8 @@ class ImageLoader:
             return iterate_processes(
                 self.decoder, batches, self.epoch, self.num_workers, self.prefetch
             )
-        return iterate_threaded(
+        engine = iterate_spdl if self.mode == "spdl" else iterate_threaded
+        return engine(
             self.decoder,
             batches,
             self.epoch,

@@ -1,104 +1,127 @@
-"""'threads' mode: an spdl.pipeline of chunk-level tasks inside the training process.
+"""'threads' mode: decoding threads inside the training process, batches in order.
 
-    source (chunks of CHUNK_IMAGES rows of a batch)
-      -> decode_chunk (NUM_WORKERS threads, writes rows into the batch's buffer)
-      -> assemble (event loop: emits a batch when its last chunk is done) -> sink
+    consumer thread: submits the tasks of `prefetch` batches ahead, then for each batch
+      waits for its tasks, yields it and submits the next batch's tasks
+    `num_threads` decoding threads: one task = a chunk of rows of one batch, decoded
+      and written straight into the batch's preallocated buffer
 
-A task decodes a chunk of images, not one image: the per-image Python glue is then a
-short loop in the worker thread and the pipeline's event loop handles one item per
-chunk. On few cores that glue, not the decoding, bounds an image-level pipeline (see
-docs/PERFORMANCE.md). Chunks rather than whole batches keep few batches in flight
-(memory) and the threads busy until the end of an epoch. Pillow releases the GIL while
-decoding, so the threads run in parallel. `output_order="input"` keeps the source
-order, so batches come out in order and runs are reproducible.
+Pillow and torch release the GIL while they decode and resize, so the threads run in
+parallel; only the per-image Python glue (about a tenth of the work) is serialized.
+There is no scheduler thread: on this project's 2-core measurements, an spdl.pipeline
+of the same chunk tasks (`DATA_LOADER.MODE spdl`, pycls_fast/datasets/spdl_pipeline.py)
+kept the cores about 10% less busy, its event loop thread competing with the decoding
+threads for the GIL and the cores (docs/PERFORMANCE.md, "Data loader"). Tasks are
+whole batches unless the threads would then run short of work: fewer, larger tasks
+mean fewer GIL handoffs.
 """
 
+import collections
+import logging
+import math
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
-from spdl.pipeline import AsyncQueue, PipelineBuilder, PipelineFailure
+logger = logging.getLogger(__name__)
 
-# ~30 ms of work per task at 224 px: spdl's per-task cost (~0.1 ms) stays negligible.
-CHUNK_IMAGES = 16
-# Tasks queued per decoding thread. More than one, so that a thread that finishes a
-# chunk starts the next at once instead of idling until the event loop thread (which
-# needs the GIL) hands it one.
+# Tasks kept queued or running per decoding thread (when `prefetch` batches allow), so
+# that a thread finishing a task starts the next at once.
 TASKS_PER_THREAD = 2
 
 
-def iterate_threaded(
-    decoder,
-    batches,
-    epoch,
-    num_threads,
-    prefetch,
-    stats_interval=0,
-    chunk_images=CHUNK_IMAGES,
-    tasks_per_thread=TASKS_PER_THREAD,
-):
+def chunks_per_batch(num_threads, prefetch, tasks_per_thread=TASKS_PER_THREAD):
+    """How many tasks each batch is split into: enough that the `prefetch` batches in
+    flight hold `tasks_per_thread` tasks per thread, and no more."""
+    return max(1, math.ceil(num_threads * tasks_per_thread / max(1, prefetch)))
+
+
+class _Stats:
+    """Decoding task times and ready-batch occupancy, logged every `period` seconds."""
+
+    def __init__(self, period, num_threads, prefetch):
+        self.period, self.num_threads, self.prefetch = period, num_threads, prefetch
+        self.lock = threading.Lock()
+        self._reset(time.perf_counter())
+
+    def _reset(self, now):
+        self.start, self.tasks, self.images, self.task_s = now, 0, 0, 0.0
+        self.batches, self.ready = 0, 0
+
+    def task_done(self, images, seconds):
+        with self.lock:
+            self.tasks, self.images = self.tasks + 1, self.images + images
+            self.task_s += seconds
+
+    def batch_taken(self, ready):
+        """Called by the consumer for each batch; `ready`: finished batches waiting."""
+        self.batches, self.ready = self.batches + 1, self.ready + ready
+        now = time.perf_counter()
+        if now - self.start < self.period:
+            return
+        with self.lock:
+            wall = now - self.start
+            logger.info(
+                "decode: %d tasks, %.0f img/s, %.1f ms/task, %.2f of %d threads busy; "
+                "ready batches: %.2f of %d on average; consumer: %.1f batches/s",
+                self.tasks,
+                self.images / wall,
+                1000 * self.task_s / max(1, self.tasks),
+                self.task_s / wall,
+                self.num_threads,
+                self.ready / max(1, self.batches),
+                self.prefetch,
+                self.batches / wall,
+            )
+            self._reset(now)
+
+
+def iterate_threaded(decoder, batches, epoch, num_threads, prefetch, stats_period=0):
     """Yields one Batch per index array of `batches`, in order.
 
     `decoder`: an ImageDecoder; `num_threads`: decoding threads (>= 1); `prefetch`:
-    finished batches buffered ahead of the consumer, minus one (about `prefetch`
-    batches are decoded or being decoded ahead, as with the DataLoader's
-    prefetch_factor x workers). `stats_interval` > 0: spdl logs each stage's task time
-    and each queue's throughput (items: chunks, then batches) and occupancy every that
-    many seconds, at INFO on logger `spdl.pipeline`; 0: no stats hooks at all. An
-    exception raised while decoding stops the pipeline and is raised here (a bad image
-    is not one: it is skipped and listed in Batch.bad).
+    batches decoded or being decoded ahead of the consumer (as the DataLoader's
+    prefetch_factor x workers). `stats_period` > 0: log the decoding throughput, task
+    time, busy threads and ready-batch occupancy every that many seconds, at INFO on
+    logger `pycls_fast.datasets.threaded`. An exception raised while decoding is raised
+    here (a bad image is not one: it is skipped and listed in Batch.bad); closing the
+    generator early cancels the queued tasks and waits for the running ones.
     """
+    prefetch = max(1, prefetch)
+    parts = chunks_per_batch(num_threads, prefetch)
+    stats = _Stats(stats_period, num_threads, prefetch) if stats_period > 0 else None
 
-    def chunks():
-        for indices in batches:
-            part = decoder.new_batch(indices)
-            for start in range(0, len(indices), chunk_images):
-                yield part, start, min(start + chunk_images, len(indices))
+    def fill(part, start, stop):
+        t0 = time.perf_counter()
+        part.fill(start, stop, epoch)
+        if stats is not None:
+            stats.task_done(stop - start, time.perf_counter() - t0)
 
-    def decode_chunk(chunk):
-        part, start, stop = chunk
-        return part.fill(start, stop, epoch)
-
-    async def assemble(part):
-        # Chunks arrive in source order, so a batch is complete at its last chunk.
-        part.chunks_done += 1
-        if part.chunks_done * chunk_images >= len(part.indices):
-            yield part.finish()
-
-    stats = stats_interval > 0
     executor = ThreadPoolExecutor(num_threads, thread_name_prefix="decode")
-    pipeline = (
-        PipelineBuilder()
-        .add_source(chunks())
-        .pipe(
-            decode_chunk,
-            concurrency=num_threads * tasks_per_thread,
-            executor=executor,
-            output_order="input",
-            max_failures=0,
-        )
-        .pipe(assemble, max_failures=0)
-        .add_sink(max(1, prefetch - 1))
-        .build(
-            num_threads=1,
-            report_stats_interval=stats_interval if stats else -1,
-            queue_class=None if stats else AsyncQueue,
-            task_hook_factory=None if stats else (lambda info: []),
-        )
-    )
+    pending = collections.deque()
+    todo = iter(batches)
+
+    def submit_next():
+        indices = next(todo, None)
+        if indices is None:
+            return
+        part = decoder.new_batch(indices)
+        size = math.ceil(len(indices) / parts) if len(indices) else 1
+        tasks = [
+            executor.submit(fill, part, start, min(start + size, len(indices)))
+            for start in range(0, len(indices), size)
+        ]
+        pending.append((part, tasks))
+
     try:
-        with pipeline.auto_stop():
-            yield from pipeline
-    except PipelineFailure as e:
-        raise _root_cause(e) from None
+        for _ in range(prefetch):
+            submit_next()
+        while pending:
+            part, tasks = pending.popleft()
+            for task in tasks:
+                task.result()
+            submit_next()
+            if stats is not None:
+                stats.batch_taken(sum(all(t.done() for t in ts) for _, ts in pending))
+            yield part.finish()
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
-
-
-def _root_cause(error):
-    """The exception a task raised, out of spdl's failure group and its wrappers."""
-    while True:
-        if getattr(error, "exceptions", None):
-            error = error.exceptions[0]
-        elif error.__cause__ is not None:
-            error = error.__cause__
-        else:
-            return error
