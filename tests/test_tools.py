@@ -100,3 +100,44 @@ def test_convert_weights_bad_input(tmp_path):
     )  # the tiny timm model does not fit the example config's dimensions
     assert result.returncode == 2 and "VIT.CLASSIFIER_TYPE is 'pooled'" in result.stderr
     assert not dst.exists()
+
+
+def test_bench_loader_runs_every_mode_on_the_same_images(tmp_path):
+    # A tiny run of `make bench-loader`: every mode decodes the same 64 images (the
+    # tool asserts the counts), ratios and CPU figures come out, memory is skipped.
+    result = _tool(
+        "bench_loader.py",
+        "--gen-dir",
+        str(tmp_path / "jpegs"),
+        "--images",
+        "64",
+        "--batch-size",
+        "16",
+        "--rounds",
+        "1",
+        "--im-size",
+        "64",
+        "--no-memory",
+        "--max-tries",
+        "1",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    rates = record["images_per_s"]
+    assert set(rates) == {
+        "single",
+        "ceiling",
+        "threads",
+        "spdl",
+        "threads-per-image",
+        "processes",
+    }
+    assert all(rate > 0 for rate in rates.values())
+    # --workers defaults to the core count, so the ideal is cores x single.
+    assert record["ideal"] == pytest.approx(os.cpu_count() * rates["single"])
+    assert record["threads_over_processes"] == pytest.approx(
+        rates["threads"] / rates["processes"]
+    )
+    assert all(ms > 0 for ms in record["cpu_ms_per_image"].values())
+    assert "| threads |" in result.stdout and "| processes |" in result.stdout
