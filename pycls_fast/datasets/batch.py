@@ -45,7 +45,9 @@ class BufferPool:
     def __init__(self, keep=8):
         self.keep = keep
         self._idle = []
-        self._lock = threading.Lock()
+        # Reentrant: a garbage collection inside get() may run a finalizer (_put) in
+        # the thread that holds the lock.
+        self._lock = threading.RLock()
 
     def get(self, shape):
         """Returns an uninitialized uint8 array of `shape` (a view of a pooled one)."""
