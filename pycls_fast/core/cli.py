@@ -32,16 +32,25 @@ def cfg_from_args(args):
     return load_cfg(args.cfg_file, args.opts or [])
 
 
+def _exit(code):
+    # A torchrun worker that used a process group skips the interpreter's teardown
+    # (core/distributed.py, exit_process); only look if that module is in use.
+    distributed = sys.modules.get("pycls_fast.core.distributed")
+    if distributed is not None:
+        distributed.exit_process(code)
+    sys.exit(code)
+
+
 def run(main):
     """Runs `main()` and maps failures to one line on stderr and an exit status."""
     try:
         code = main()
     except (ConfigError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _exit(2)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
-        sys.exit(130)
+        _exit(130)
     except Exception as e:  # noqa: BLE001 - the last line of defence for tools
         # Errors that carry their exit status (a failed rank of a spawned job) name
         # what failed themselves.
@@ -51,5 +60,5 @@ def run(main):
         else:
             what = str(e) if code else f"{type(e).__name__}: {e}"
             print(f"error: {what}", file=sys.stderr)
-        sys.exit(code or 1)
-    sys.exit(code or 0)
+        _exit(code or 1)
+    _exit(code or 0)

@@ -7,6 +7,7 @@ Work in a single process needs none of it: every helper falls back to rank 0 of 
 
 import datetime
 import hashlib
+import logging
 import os
 import random
 import socket
@@ -134,6 +135,10 @@ def _timeout(cfg):
     return datetime.timedelta(seconds=cfg.DIST.TIMEOUT_S)
 
 
+# Whether this process joined an env:// group (see exit_process).
+_joined_env_group = False
+
+
 def init_process_group(cfg):
     """Joins the env:// process group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
     with a timeout on every collective, so a lost rank stops the job instead of
@@ -145,6 +150,8 @@ def init_process_group(cfg):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         torch.set_num_threads(max(1, cores // max(local_world_size(), 1)))
     dist.init_process_group(backend_for(cfg), timeout=_timeout(cfg))
+    global _joined_env_group
+    _joined_env_group = True
 
 
 def init_single_process_group(cfg):
@@ -311,6 +318,17 @@ def _hard_exit(code):
     """Ends a process that used a process group, skipping the interpreter's teardown:
     torch's gloo objects still alive then (device meshes cache their groups) can
     abort the process (SIGABRT) while being destroyed, after all work is done."""
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def exit_process(code):
+    """Exits with status `code`: through `_hard_exit` in a torchrun worker that joined
+    a process group (the same teardown abort showed there too: "terminate called
+    without an active exception", SIGABRT after the run had finished), else through
+    SystemExit."""
+    if _joined_env_group and under_torchrun():
+        _hard_exit(code)
+    sys.exit(code)
