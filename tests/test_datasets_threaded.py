@@ -50,7 +50,7 @@ def test_batches_in_order_and_equal_to_inline(index, engine, threads, prefetch):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_transform_error_stops_and_surfaces(index, engine):
     class Broken(TrainTransform):
-        def __call__(self, im, rng):
+        def __call__(self, image, rng, out):
             raise RuntimeError("transform bug")
 
     decoder = ImageDecoder(index, Broken(16), 16, seed=0)

@@ -1,5 +1,6 @@
 """Host transforms: crop boxes, test-time resize + center crop, augment strings."""
 
+import io
 import math
 import random
 
@@ -8,6 +9,7 @@ import pytest
 from PIL import Image
 
 from pycls_fast.config import ConfigError
+from pycls_fast.datasets.decode import EncodedImage
 from pycls_fast.datasets.transforms import (
     TestTransform as EvalTransform,
 )
@@ -25,6 +27,19 @@ def _gradient(w, h):
     y = np.linspace(0, 255, h)[:, None, None]
     arr = np.concatenate([x + 0 * y, y + 0 * x, (x + y) / 2], axis=2)
     return Image.fromarray(arr.astype(np.uint8))
+
+
+def _encoded(im, fmt="PNG"):
+    """`im` saved as `fmt` (PNG: lossless), as the loader reads it."""
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, quality=95)
+    return EncodedImage(buf.getvalue())
+
+
+def _apply(transform, image, rng, size=32):
+    out = np.empty((size, size, 3), dtype=np.uint8)
+    transform(image, rng, out)
+    return out
 
 
 def test_random_resized_crop_box_ranges():
@@ -53,7 +68,7 @@ def test_center_crop_box_is_pycls_scale_then_crop():
 
 def test_test_transform_matches_resize_then_crop():
     im = _gradient(96, 64)
-    out = np.asarray(EvalTransform(32, 40)(im)).astype(np.float64)
+    out = _apply(EvalTransform(32, 40), _encoded(im), None).astype(np.float64)
     # Reference: resize the shorter side to 40 (60x40), crop the central 32x32.
     ref = np.asarray(im.resize((60, 40), Image.BILINEAR)).astype(np.float64)
     ref = ref[4:36, 14:46]
@@ -62,16 +77,16 @@ def test_test_transform_matches_resize_then_crop():
 
 
 def test_train_transform_shape_determinism_and_flips():
-    im = _gradient(80, 60)
+    im = _encoded(_gradient(80, 60))
     t = TrainTransform(32)
-    a = np.asarray(t(im, random.Random(3)))
-    b = np.asarray(t(im, random.Random(3)))
+    a = _apply(t, im, random.Random(3))
+    b = _apply(t, im, random.Random(3))
     assert a.shape == (32, 32, 3) and a.dtype == np.uint8
     assert np.array_equal(a, b)
     # In the gradient, red grows left to right unless the crop was flipped.
     flipped = 0
     for seed in range(40):
-        out = np.asarray(t(im, random.Random(seed))).astype(int)
+        out = _apply(t, im, random.Random(seed)).astype(int)
         flipped += out[:, 0, 0].mean() > out[:, -1, 0].mean()
     assert 10 <= flipped <= 30
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pycls_fast.datasets.decode import DECODE_ERRORS, open_image
+from pycls_fast.datasets.decode import DECODE_ERRORS, EncodedImage
 
 
 class Batch(NamedTuple):
@@ -86,19 +86,29 @@ class ImageDecoder:
         # Worker processes allocate their batches in shared memory, not from a pool.
         return {**self.__dict__, "pool": None}
 
-    def load(self, i, epoch):
-        """Returns image `i` as a uint8 (H, W, 3) array, or (path, error) if the file
-        cannot be decoded."""
+    def load_into(self, i, epoch, out):
+        """Decodes image `i` into `out`, a writable uint8 (H, W, 3) array; returns
+        None, or (path, error) if the file cannot be decoded (`out` is then left in
+        any state)."""
         path = self.index.path(i)
+        rng = random.Random(image_seed(self.seed, epoch, i))
+        image = None
         try:
-            with open_image(path) as im:
-                out = self.transform(im, random.Random(image_seed(self.seed, epoch, i)))
-                arr = np.asarray(out)
+            image = EncodedImage.read(path)
+            self.transform(image, rng, out)
         except DECODE_ERRORS as e:
             return path, f"{type(e).__name__}: {e}"
-        if arr.shape != self.shape:  # A transform bug, not a bad file.
-            raise RuntimeError(f"{path}: transform returned {arr.shape}")
-        return arr
+        finally:
+            if image is not None:
+                image.close()
+        return None
+
+    def load(self, i, epoch):
+        """Returns image `i` as a new uint8 (H, W, 3) array, or (path, error) if the
+        file cannot be decoded."""
+        out = np.empty(self.shape, dtype=np.uint8)
+        bad = self.load_into(i, epoch, out)
+        return out if bad is None else bad
 
     def new_batch(self, indices):
         """Returns an empty PartialBatch for `indices` (int array), to be filled."""
@@ -136,12 +146,10 @@ class PartialBatch:
         """Decodes rows `start` to `stop` (exclusive) of the batch; returns self."""
         buf = self.images.numpy()
         for row in range(start, stop):
-            out = self.decoder.load(self.indices[row], epoch)
-            if isinstance(out, tuple):
+            bad = self.decoder.load_into(self.indices[row], epoch, buf[row])
+            if bad is not None:
                 self.ok[row] = False
-                self.bad.append(out)  # list.append is atomic: safe across threads.
-            else:
-                buf[row] = out
+                self.bad.append(bad)  # list.append is atomic: safe across threads.
         return self
 
     def finish(self):

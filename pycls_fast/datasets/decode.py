@@ -1,32 +1,44 @@
-"""Image decoding with Pillow: reduced-size JPEG decoding, RGB conversion, bad files.
+"""Image decoding: JPEGs straight into a reused buffer, Pillow for everything else.
 
-Pillow releases the GIL while it decodes and resizes, so several loader threads decode
-in parallel. The train crop is resized by torch's uint8 antialiased bilinear kernel
-(crop_flip_resize), about 4x faster than Pillow's on one core; it too runs without the
-GIL. For JPEGs, `Image.draft` makes libjpeg scale by 1/2, 1/4 or 1/8 during the
-inverse DCT, which skips most of the decoding work when the output is much smaller than
-the file. (spdl's own decoders, `spdl.io`, need FFmpeg shared libraries that a plain pip
-install does not bring, so they are not used here.)
+The loader's threads spend most of an image's time in native code that releases the
+GIL; what stays under the GIL (per-image Python) is what keeps two threads from
+running at twice the speed of one, so the common case takes few Python steps:
+
+- An RGB JPEG (3 components: ImageNet's images but a handful) has its size read from
+  the header (`jpeg_rgb_size`, a few markers, no PIL object), and is decoded by
+  Pillow's libjpeg-turbo decoder in one call that releases the GIL, into a per-thread
+  RGBX buffer (`decode_jpeg_rgbx`): no fresh ~1 MB image per decode, no copy of it.
+- Everything else (PNG, grayscale, CMYK, alpha, 16-bit) is opened by Pillow and
+  converted to RGB (`to_rgb`).
+
+For JPEGs, libjpeg's DCT scaling decodes at 1/2, 1/4 or 1/8 size when the crop stays
+at least the output size (`draft_scale`): large images decode in a fraction of the
+time and memory. The train crop is resized by torch's uint8 antialiased bilinear
+kernel on the RGBX pixels (`resize_crop_into`: Pillow's BILINEAR filter, vectorized,
+about 4x faster than Pillow's own resize on one core, also without the GIL). spdl's
+own decoders (`spdl.io`) need FFmpeg shared libraries that a plain pip install does
+not bring, so they are not used here.
 """
 
 import io
 import math
+import threading
 import warnings
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageFile, UnidentifiedImageError
 
-# Pillow hands out read-only arrays; torch warns (once) when wrapping one, although
-# crop_flip_resize only reads it.
+# The Pillow fallback hands out read-only arrays; torch warns (once) when wrapping one,
+# although resize_crop_into only reads it.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
-# What Pillow raises for corrupt, truncated or unsupported files. DecompressionBombError
-# (a decompression-bomb guard) subclasses Exception, not OSError: Pillow raises it from
+# What decoding raises for corrupt, truncated or unsupported files. Pillow's
+# DecompressionBombError subclasses Exception, not OSError: Pillow raises it from
 # the header alone, before decoding, for more than 2 x Image.MAX_IMAGE_PIXELS (179 Mpx),
 # so such a file is a bad image; below that Pillow only warns, and large JPEGs decode at
-# reduced scale (draft_for), in little memory.
+# reduced scale (draft_scale), in little memory.
 DECODE_ERRORS = (
     OSError,
     ValueError,
@@ -35,21 +47,200 @@ DECODE_ERRORS = (
     Image.DecompressionBombError,
 )
 
+# Start-of-frame markers of the Huffman-coded JPEGs the direct path decodes: baseline,
+# extended sequential, progressive. Others (lossless, arithmetic, hierarchical) go
+# through Pillow.
+_SOF_DIRECT = (0xC0, 0xC1, 0xC2)
+# Markers that carry no length field (TEM, RST0-7, SOI, EOI).
+_NO_LENGTH = {0x01, *range(0xD0, 0xDA)}
+# Per-thread decode buffers larger than this are not kept for the next image.
+_SCRATCH_KEEP_BYTES = 32 << 20
+_scratch = threading.local()
+
+
+def jpeg_rgb_size(data):
+    """Returns (width, height) from the header of a 3-component (YCbCr or RGB)
+    Huffman-coded JPEG in `data` (bytes), or None for anything else: another format,
+    grayscale, CMYK, other codings, or a header that does not parse."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # Fill byte before a marker.
+            i += 1
+            continue
+        if marker in _NO_LENGTH or marker == 0xDA:  # SOS before any frame header.
+            return None
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            if marker not in _SOF_DIRECT or i + 10 > n:
+                return None
+            height = (data[i + 5] << 8) | data[i + 6]
+            width = (data[i + 7] << 8) | data[i + 8]
+            if data[i + 9] != 3 or not width or not height:
+                return None
+            return width, height
+        i += 2 + ((data[i + 2] << 8) | data[i + 3])
+    return None
+
+
+def draft_scale(size, box, out_size):
+    """The DCT scale (1, 2, 4 or 8) at which a JPEG of `size` = (w, h) still yields a
+    crop `box` = (left, top, right, bottom) of at least `out_size` = (w, h) pixels.
+
+    The same choice as Pillow's `Image.draft` for the size `draft_for` requests.
+    """
+    w, h = size
+    want = (
+        math.ceil(w * out_size[0] / max(box[2] - box[0], 1e-6)),
+        math.ceil(h * out_size[1] / max(box[3] - box[1], 1e-6)),
+    )
+    if want[0] * 2 > w or want[1] * 2 > h:
+        return 1
+    ratio = min(w // want[0], h // want[1])
+    return next(s for s in (8, 4, 2, 1) if ratio >= s)
+
+
+def _scratch_rgbx(height, width):
+    """A (height, width, 4) uint8 array of this thread's reused decode buffer."""
+    need = height * width * 4
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < need:
+        buf = np.empty(need, dtype=np.uint8)
+        if need <= _SCRATCH_KEEP_BYTES:
+            _scratch.buf = buf
+    return buf[:need].reshape(height, width, 4)
+
+
+def decode_jpeg_rgbx(data, size, scale=1):
+    """Decodes the JPEG `data` (bytes; `size` = (w, h) from `jpeg_rgb_size`) at
+    1/`scale` into this thread's decode buffer.
+
+    Returns a uint8 (ceil(h / scale), ceil(w / scale), 4) RGBX array (X = 255), valid
+    until this thread decodes again. Pillow's own decoder, driven as `ImageFile.load`
+    drives it but fed the whole file at once: one call, with the GIL released. Raises
+    OSError for truncated or corrupt data.
+    """
+    width, height = -(-size[0] // scale), -(-size[1] // scale)
+    rgbx = _scratch_rgbx(height, width)
+    target = Image.frombuffer("RGBX", (width, height), rgbx, "raw", "RGBX", 0, 1)
+    decoder = Image._getdecoder("RGB", "jpeg", ("RGB", ""), (scale, 0))
+    try:
+        decoder.setimage(target.im, (0, 0, width, height))
+        consumed, err = decoder.decode(data)
+    finally:
+        decoder.cleanup()
+    if err < 0:
+        raise OSError(ImageFile.ERRORS.get(err, f"decoder error {err}"))
+    if consumed >= 0:  # The decoder wants more data than the file holds.
+        raise OSError("image file is truncated")
+    return rgbx
+
+
+def _pixel_box(box, width, height):
+    """`box` rounded to whole pixels, at least one pixel, inside width x height."""
+    left, top = min(round(box[0]), width - 1), min(round(box[1]), height - 1)
+    right, bottom = max(round(box[2]), left + 1), max(round(box[3]), top + 1)
+    return max(left, 0), max(top, 0), min(right, width), min(bottom, height)
+
+
+def resize_crop_into(rgbx, box, out, flip=False):
+    """Crops `box` out of `rgbx`, resizes it to `out`'s size, mirrors it if `flip`, and
+    writes it into `out`.
+
+    `rgbx`: uint8 (h, w, 4) array (RGB + one unused channel); `box` = (left, top,
+    right, bottom), rounded to whole pixels; `out`: writable uint8 (H, W, 3) array.
+    The resize is torch's antialiased bilinear (Pillow's BILINEAR filter, vectorized
+    for channels-last uint8 with 4 channels; one thread for any input size, so it
+    does not oversubscribe the cores under loader threads). It filters within the
+    crop, where Pillow's `resize(box=...)` also reads the pixels just outside it: only
+    the outermost output pixels differ.
+    """
+    left, top, right, bottom = _pixel_box(box, rgbx.shape[1], rgbx.shape[0])
+    # Copied by numpy (one thread, GIL released): given the strided view, torch would
+    # make it contiguous itself with its intra-op threads, an OpenMP team per loader
+    # thread (oversubscribing the cores, and hanging any process forked afterwards).
+    crop = np.ascontiguousarray(rgbx[top:bottom, left:right])
+    crop = torch.from_numpy(crop)[None].permute(0, 3, 1, 2)
+    height, width = out.shape[:2]
+    resized = F.interpolate(crop, size=(height, width), mode="bilinear", antialias=True)
+    # The output keeps the channels-last layout: [0].permute(1, 2, 0) is a contiguous
+    # (H, W, 4). Pillow's packer drops the 4th channel ~3x faster than a strided copy.
+    rgbx_out = resized[0].permute(1, 2, 0).numpy()
+    rgb = Image.frombuffer("RGBX", (width, height), rgbx_out, "raw", "RGBX", 0, 1)
+    rgb = rgb.tobytes("raw", "RGB")
+    out[...] = np.frombuffer(rgb, dtype=np.uint8).reshape(height, width, 3)
+    if flip:  # Mirroring commutes with the resize (the filter is symmetric).
+        dst = torch.from_numpy(out)
+        dst.copy_(dst.flip(1))
+
+
+class EncodedImage:
+    """The bytes of one image file, its size read from the header, decoded on demand.
+
+    `size` = (w, h). RGB JPEGs (`direct`) are decoded by `decode_jpeg_rgbx` without a
+    PIL object; other files are opened by Pillow (`pil()`), which raises the
+    DECODE_ERRORS for data it cannot read.
+    """
+
+    __slots__ = ("data", "size", "_pil")
+
+    def __init__(self, data):
+        self.data = data
+        self._pil = None
+        size = jpeg_rgb_size(data)
+        limit = Image.MAX_IMAGE_PIXELS
+        if size is not None and (limit is None or size[0] * size[1] <= limit):
+            self.size = size
+        else:  # Pillow parses it, with its decompression-bomb checks.
+            self.size = self.pil().size
+
+    @classmethod
+    def read(cls, path):
+        """Reads the whole file at `path` (one read, the GIL released during it)."""
+        with open(path, "rb") as f:
+            return cls(f.read())
+
+    @property
+    def direct(self):
+        """Whether the file is decoded without Pillow's header parsing."""
+        return self._pil is None
+
+    def pil(self):
+        """The image opened lazily by Pillow (header parsed, pixels decoded on use)."""
+        if self._pil is None:
+            self._pil = Image.open(io.BytesIO(self.data))
+        return self._pil
+
+    def close(self):
+        if self._pil is not None:
+            self._pil.close()
+
+    def crop_flip_resize_into(self, box, out, flip=False):
+        """Decodes the image (at reduced JPEG scale where the crop allows), crops `box`
+        (full-size pixels), mirrors it if `flip` and resizes it into `out`, a writable
+        uint8 (H, W, 3) array."""
+        out_size = (out.shape[1], out.shape[0])
+        if not self.direct:
+            return resize_crop_into(*_pil_rgbx(self.pil(), box, out_size), out, flip)
+        scale = draft_scale(self.size, box, out_size)
+        rgbx = decode_jpeg_rgbx(self.data, self.size, scale)
+        if scale > 1:
+            sx, sy = rgbx.shape[1] / self.size[0], rgbx.shape[0] / self.size[1]
+            box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+        return resize_crop_into(rgbx, box, out, flip)
+
 
 def open_image(path):
-    """Reads the file at `path` and opens it lazily (parses the header only, decodes on
-    first use); returns a PIL Image.
-
-    One read of the whole file (the GIL is released during it) then parsing from
-    memory costs less Python per image than Pillow's many small reads from the file.
-    """
-    with open(path, "rb") as f:
-        data = f.read()
-    return Image.open(io.BytesIO(data))
+    """Reads the file at `path` and opens it lazily with Pillow (parses the header
+    only, decodes on first use); returns a PIL Image."""
+    return EncodedImage.read(path).pil()
 
 
 def draft_for(im, box, out_size):
-    """Lets a JPEG decode at 1/2, 1/4 or 1/8 scale when the crop stays >= `out_size`.
+    """Lets a PIL JPEG decode at 1/2, 1/4 or 1/8 scale if the crop stays >= `out_size`.
 
     `box` = (left, top, right, bottom) in the full-size image; returns the box in the
     coordinates of the (possibly reduced) image that decoding will produce.
@@ -57,16 +248,11 @@ def draft_for(im, box, out_size):
     if im.format != "JPEG":
         return box
     w, h = im.size
-    crop_w, crop_h = box[2] - box[0], box[3] - box[1]
-    # Pillow picks the largest scale that keeps the decoded size >= the requested size,
-    # so requesting full_size * out/crop keeps the crop >= out_size pixels wide.
-    want = (
-        math.ceil(w * out_size[0] / max(crop_w, 1e-6)),
-        math.ceil(h * out_size[1] / max(crop_h, 1e-6)),
-    )
-    if want[0] * 2 > w or want[1] * 2 > h:
+    scale = draft_scale(im.size, box, out_size)
+    if scale == 1:
         return box  # No reduction possible; skip draft's bookkeeping.
-    im.draft("RGB", want)
+    # Pillow picks the largest scale that keeps the decoded size >= the requested one.
+    im.draft("RGB", (w // scale, h // scale))
     sx, sy = im.size[0] / w, im.size[1] / h
     return (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
 
@@ -95,28 +281,16 @@ def crop_resize(im, box, out_size):
 
 
 def crop_flip_resize(im, box, out_size, flip=False):
-    """Decodes `im`, crops `box`, optionally mirrors it and resizes it to `out_size`.
+    """Decodes the PIL image `im`, crops `box`, optionally mirrors it and resizes it to
+    `out_size` = (w, h) as `EncodedImage.crop_flip_resize_into` does; returns a
+    C-contiguous uint8 (h, w, 3) RGB array."""
+    out = np.empty((out_size[1], out_size[0], 3), dtype=np.uint8)
+    resize_crop_into(*_pil_rgbx(im, box, out_size), out, flip)
+    return out
 
-    `box` = (left, top, right, bottom) in full-size pixels, rounded to whole pixels of
-    the decoded (possibly JPEG-draft reduced) image; `out_size` = (w, h). Returns a
-    C-contiguous uint8 (h, w, 3) RGB array. The resize is torch's antialiased bilinear
-    (Pillow's BILINEAR filter, vectorized for uint8 and channels-last; one thread for
-    any input size, so it does not oversubscribe the cores under loader threads). It
-    filters within the crop, where Pillow's `resize(box=...)` also reads the pixels
-    just outside it: only the outermost output pixels differ.
-    """
+
+def _pil_rgbx(im, box, out_size):
+    """Decodes the PIL image `im` (JPEG draft where the crop allows) to a uint8
+    (h, w, 4) RGBX array; returns it and `box` in its coordinates."""
     box = draft_for(im, box, out_size)
-    im = to_rgb(im)
-    w, h = im.size
-    left, top = min(round(box[0]), w - 1), min(round(box[1]), h - 1)
-    right, bottom = max(round(box[2]), left + 1), max(round(box[3]), top + 1)
-    im = im.crop((max(left, 0), max(top, 0), min(right, w), min(bottom, h)))
-    if flip:
-        im = im.transpose(Image.FLIP_LEFT_RIGHT)  # Mirroring commutes with the resize.
-    # (1, h, w, 3) permuted to NCHW is channels-last, the layout of the fast kernel,
-    # and the output keeps it, so [0].permute(1, 2, 0) is a contiguous (h, w, 3).
-    x = torch.from_numpy(np.asarray(im))[None].permute(0, 3, 1, 2)
-    out = F.interpolate(
-        x, size=(out_size[1], out_size[0]), mode="bilinear", antialias=True
-    )
-    return out[0].permute(1, 2, 0).numpy()
+    return np.asarray(to_rgb(im).convert("RGBX")), box

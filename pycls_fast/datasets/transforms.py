@@ -1,9 +1,11 @@
-"""Per-image transforms on the host: PIL image in, uint8 RGB image of fixed size out.
+"""Per-image transforms on the host: an encoded image in, a uint8 RGB image of fixed
+size written into its row of the batch.
 
 Train: random-resized-crop + horizontal flip at TRAIN.IM_SIZE, then the optional
 TRAIN.AUGMENT policy (timm's AutoAugment / RandAugment). Test: resize the shorter side
 to TEST.IM_SIZE and center-crop TRAIN.IM_SIZE (pycls). The train crop is resized
-by torch's uint8 antialiased bilinear kernel (`crop_flip_resize`); the test crop by
+by torch's uint8 antialiased bilinear kernel (`EncodedImage.crop_flip_resize_into`,
+JPEGs decoded without Pillow's header parsing); the test crop by
 Pillow (`resize(box=...)`, exact pycls resize-then-crop at fractional boxes); both on a
 reduced-size JPEG decode where that keeps enough pixels.
 Colour normalization and PCA lighting are not here: they run on the device
@@ -13,10 +15,11 @@ Colour normalization and PCA lighting are not here: they run on the device
 import math
 import re
 
+import numpy as np
 from PIL import Image
 
 from pycls_fast.config import ConfigError
-from pycls_fast.datasets.decode import crop_flip_resize, crop_resize
+from pycls_fast.datasets.decode import crop_resize
 
 # ImageNet mean in 0-255, timm's fill colour for geometric augmentations.
 _FILL = (124, 116, 104)
@@ -100,23 +103,24 @@ class TrainTransform:
         self.scale = tuple(scale)
         self.hflip = hflip
 
-    def __call__(self, im, rng):
-        """`im`: an opened (not yet decoded) PIL image; `rng`: a `random.Random`.
+    def __call__(self, image, rng, out):
+        """Writes the transformed `image` into `out`.
 
-        Returns a uint8 (im_size, im_size, 3) RGB array, or with TRAIN.AUGMENT an RGB
-        PIL image of that size (timm's policies work on PIL images, so that path
-        resizes with Pillow). timm's augmentations draw from the global `random`
-        module, so with TRAIN.AUGMENT set, results are not reproducible across runs of
-        a multi-threaded loader.
+        `image`: an EncodedImage (not yet decoded); `rng`: a `random.Random`; `out`:
+        writable uint8 (im_size, im_size, 3) array. With TRAIN.AUGMENT, timm's policies
+        work on PIL images, so that path resizes with Pillow. timm's augmentations
+        draw from the global `random` module, so with TRAIN.AUGMENT set, results are
+        not reproducible across runs of a multi-threaded loader.
         """
-        box = random_resized_crop_box(*im.size, rng, scale=self.scale)
+        box = random_resized_crop_box(*image.size, rng, scale=self.scale)
         flip = rng.random() < self.hflip
         if self.augment is None:
-            return crop_flip_resize(im, box, self.out_size, flip)
-        im = crop_resize(im, box, self.out_size)
+            image.crop_flip_resize_into(box, out, flip)
+            return
+        im = crop_resize(image.pil(), box, self.out_size)
         if flip:
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
-        return self.augment(im)
+        _write(self.augment(im), out)
 
 
 class TestTransform:
@@ -126,10 +130,20 @@ class TestTransform:
         self.out_size = (im_size, im_size)
         self.resize_size = resize_size
 
-    def __call__(self, im, rng=None):
-        """`im`: an opened PIL image; returns an RGB PIL image of `im_size` squared."""
-        box = center_crop_box(*im.size, self.resize_size, self.out_size[0])
-        return crop_resize(im, box, self.out_size)
+    def __call__(self, image, rng, out):
+        """Writes the center crop of `image` (an EncodedImage) into `out`, a writable
+        uint8 (im_size, im_size, 3) array; `rng` is unused."""
+        box = center_crop_box(*image.size, self.resize_size, self.out_size[0])
+        _write(crop_resize(image.pil(), box, self.out_size), out)
+
+
+def _write(im, out):
+    """Copies the RGB PIL image `im` into `out`; a size mismatch is a transform bug,
+    not a bad file, so it is not raised as one of the decode errors."""
+    arr = np.asarray(im)
+    if arr.shape != out.shape:
+        raise RuntimeError(f"transform returned {arr.shape}, expected {out.shape}")
+    out[...] = arr
 
 
 def build_transform(cfg, train):
