@@ -276,10 +276,15 @@ def test_resize_starts_no_threads():
     # OpenMP pool hangs processes forked later (the DataLoader's workers).
     data = _jpeg_bytes(_noise(375, 500))
     out = np.empty((224, 224, 3), dtype=np.uint8)
-    before = len(os.listdir("/proc/self/task"))
-    thread = threading.Thread(
-        target=lambda: EncodedImage(data).crop_flip_resize_into((41, 30, 437, 333), out)
-    )
+    before, during = len(os.listdir("/proc/self/task")), []
+
+    def decode():
+        for flip in (False, True):
+            EncodedImage(data).crop_flip_resize_into((41, 30, 437, 333), out, flip)
+        # Counted while this thread lives: an OpenMP team it started lives as long.
+        during.append(len(os.listdir("/proc/self/task")))
+
+    thread = threading.Thread(target=decode)
     thread.start()
     thread.join()
-    assert len(os.listdir("/proc/self/task")) == before
+    assert during == [before + 1]

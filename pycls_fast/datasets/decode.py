@@ -167,14 +167,14 @@ def resize_crop_into(rgbx, box, out, flip=False):
     height, width = out.shape[:2]
     resized = F.interpolate(crop, size=(height, width), mode="bilinear", antialias=True)
     # The output keeps the channels-last layout: [0].permute(1, 2, 0) is a contiguous
-    # (H, W, 4). Pillow's packer drops the 4th channel ~3x faster than a strided copy.
+    # (H, W, 4). Pillow mirrors it and drops the 4th channel, each ~3x faster than a
+    # strided copy, in one thread (torch's flip would start intra-op threads).
     rgbx_out = resized[0].permute(1, 2, 0).numpy()
-    rgb = Image.frombuffer("RGBX", (width, height), rgbx_out, "raw", "RGBX", 0, 1)
-    rgb = rgb.tobytes("raw", "RGB")
-    out[...] = np.frombuffer(rgb, dtype=np.uint8).reshape(height, width, 3)
+    im = Image.frombuffer("RGBX", (width, height), rgbx_out, "raw", "RGBX", 0, 1)
     if flip:  # Mirroring commutes with the resize (the filter is symmetric).
-        dst = torch.from_numpy(out)
-        dst.copy_(dst.flip(1))
+        im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    rgb = im.tobytes("raw", "RGB")
+    out[...] = np.frombuffer(rgb, dtype=np.uint8).reshape(height, width, 3)
 
 
 class EncodedImage:
