@@ -1,5 +1,7 @@
 """The thread engines (plain threads and spdl): chunk assembly, order, errors."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -93,3 +95,27 @@ def test_buffer_pool_reuses_only_buffers_nothing_refers_to():
     assert pool.get((1, 4, 4, 3)).shape == (1, 4, 4, 3)  # Another shape: new.
     del b, c
     assert len(pool._idle) == 1  # At most `keep` idle buffers are kept.
+
+
+def test_batches_queued_behind_the_running_ones_hold_no_buffer(index):
+    class Slow(TrainTransform):
+        def __call__(self, image, rng, out):
+            time.sleep(0.002)  # Decoding slower than the consumer, as in a benchmark.
+            super().__call__(image, rng, out)
+
+    decoder = ImageDecoder(index, Slow(16), 16, seed=0)
+    buffers = set()
+    get = decoder.pool.get
+
+    def counted_get(shape):
+        view = get(shape)
+        buffers.add(id(view.base))  # Pooled bases stay alive: ids are not reused.
+        return view
+
+    decoder.pool.get = counted_get
+    batches = [np.arange(i, i + 4) for i in range(0, 80, 4)]
+    for batch in iterate_threaded(decoder, batches, 0, num_threads=2, prefetch=6):
+        del batch
+    # Two being decoded, one finished ahead, one held by the consumer (and one more
+    # while the threads swap tasks); allocated at queueing time it would be 8.
+    assert len(buffers) <= 2 + 3

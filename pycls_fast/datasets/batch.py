@@ -124,23 +124,35 @@ class ImageDecoder:
 class PartialBatch:
     """A batch being decoded, possibly by several threads at once (disjoint rows).
 
-    Images are written straight into one preallocated (B, H, W, 3) uint8 buffer, from
-    the decoder's pool, or in pinned memory when the decoder asks for it.
+    Images are written straight into one (B, H, W, 3) uint8 buffer, from the decoder's
+    pool, or in pinned memory when the decoder asks for it. The buffer is allocated
+    when the first rows start decoding, not when the batch is queued: batches waiting
+    behind the running ones hold no memory.
     """
 
     def __init__(self, decoder, indices):
         self.decoder = decoder
         self.indices = indices
-        shape = (len(indices), *decoder.shape)
-        if decoder.pool is not None:
-            self.images = torch.from_numpy(decoder.pool.get(shape))
-        else:
-            self.images = torch.empty(
-                shape, dtype=torch.uint8, pin_memory=decoder.pin_memory
-            )
+        self._images = None
+        self._lock = threading.Lock()
         self.ok = np.ones(len(indices), dtype=bool)
         self.bad = []
         self.chunks_done = 0  # Counted by the (single) consumer of finished chunks.
+
+    @property
+    def images(self):
+        """The batch's uint8 (B, H, W, 3) tensor, allocated on first use."""
+        if self._images is None:
+            with self._lock:  # Two chunks of one batch may start at once.
+                if self._images is None:
+                    self._images = self._allocate()
+        return self._images
+
+    def _allocate(self):
+        shape = (len(self.indices), *self.decoder.shape)
+        if self.decoder.pool is not None:
+            return torch.from_numpy(self.decoder.pool.get(shape))
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=self.decoder.pin_memory)
 
     def fill(self, start, stop, epoch):
         """Decodes rows `start` to `stop` (exclusive) of the batch; returns self."""
@@ -157,8 +169,10 @@ class PartialBatch:
         labels = self.decoder.index.labels[self.indices]
         if self.ok.all():
             return make_batch(self.images, labels, self.bad)
-        keep = torch.from_numpy(np.flatnonzero(self.ok))
-        return make_batch(self.images[keep], labels[self.ok], self.bad)
+        # numpy's copy (one thread): torch's indexing would start intra-op threads in
+        # whichever thread assembles the batch.
+        good = torch.from_numpy(self.images.numpy()[self.ok])
+        return make_batch(good, labels[self.ok], self.bad)
 
 
 def make_batch(images_nhwc, labels, bad):
