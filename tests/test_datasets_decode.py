@@ -7,6 +7,8 @@ import threading
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 
 from pycls_fast.datasets.decode import (
@@ -18,6 +20,7 @@ from pycls_fast.datasets.decode import (
     draft_scale,
     jpeg_rgb_size,
     open_image,
+    resize_crop_into,
     to_rgb,
 )
 
@@ -288,3 +291,27 @@ def test_resize_starts_no_threads():
     thread.start()
     thread.join()
     assert during == [before + 1]
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_resize_crop_into_equals_torch_interpolate_on_the_crop(flip):
+    rgbx = np.concatenate([_noise(90, 120), np.full((90, 120, 1), 255, np.uint8)], 2)
+    box = (13.4, 7.6, 101.2, 80.5)  # Rounded to (13, 8, 101, 80).
+    out = np.empty((48, 40, 3), dtype=np.uint8)
+    resize_crop_into(rgbx, box, out, flip)
+    crop = torch.from_numpy(np.ascontiguousarray(rgbx[8:80, 13:101, :3]))
+    ref = F.interpolate(
+        crop.permute(2, 0, 1)[None].float(),
+        size=(48, 40),
+        mode="bilinear",
+        antialias=True,
+    )
+    ref = ref[0].permute(1, 2, 0).round().clamp(0, 255).to(torch.uint8).numpy()
+    if flip:
+        ref = ref[:, ::-1]
+    # torch's uint8 kernel computes in fixed point: within one level of the float one.
+    assert np.abs(out.astype(int) - ref.astype(int)).max() <= 1
+    exact = F.interpolate(
+        crop.permute(2, 0, 1)[None], size=(48, 40), mode="bilinear", antialias=True
+    )[0].permute(1, 2, 0)
+    np.testing.assert_array_equal(out, exact.numpy()[:, ::-1] if flip else exact)
