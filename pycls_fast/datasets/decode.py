@@ -22,6 +22,7 @@ not bring, so they are not used here.
 
 import io
 import math
+import os
 import threading
 import warnings
 
@@ -233,9 +234,24 @@ class EncodedImage:
 
     @classmethod
     def read(cls, path):
-        """Reads the whole file at `path` (one read, the GIL released during it)."""
-        with open(path, "rb") as f:
-            return cls(f.read())
+        """Reads the whole file at `path`.
+
+        Four system calls (open, fstat, read, close), where `open(path).read()` makes
+        seven or more (isatty, a second read to find the end): each releases the GIL
+        and lets another loader thread take it.
+        """
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            data = os.read(fd, size)
+            while len(data) < size:  # Large files may come in several pieces.
+                more = os.read(fd, size - len(data))
+                if not more:
+                    break  # Truncated meanwhile: decoding will say so.
+                data += more
+        finally:
+            os.close(fd)
+        return cls(data)
 
     @property
     def direct(self):
