@@ -27,9 +27,10 @@ ENGINES = [iterate_threaded, iterate_spdl]
 
 
 def test_chunks_per_batch():
-    assert chunks_per_batch(2, 4) == 1  # 4 whole batches in flight for 2 threads
-    assert chunks_per_batch(8, 4) == 4  # 16 tasks for 8 threads
+    assert chunks_per_batch(2, 4) == 2  # One chunk per thread: 8 tasks in flight
+    assert chunks_per_batch(8, 4) == 8
     assert chunks_per_batch(3, 2) == 3
+    assert chunks_per_batch(4, 1) == 8  # PREFETCH 1: still 2 tasks per thread
     assert chunks_per_batch(1, 0) == 2
 
 
@@ -116,6 +117,6 @@ def test_batches_queued_behind_the_running_ones_hold_no_buffer(index):
     batches = [np.arange(i, i + 4) for i in range(0, 80, 4)]
     for batch in iterate_threaded(decoder, batches, 0, num_threads=2, prefetch=6):
         del batch
-    # Two being decoded, one finished ahead, one held by the consumer (and one more
-    # while the threads swap tasks); allocated at queueing time it would be 8.
-    assert len(buffers) <= 2 + 3
+    # The batch the threads decode together, the one the consumer holds, and one more
+    # while the threads move on to the next; allocated at queueing time it would be 8.
+    assert len(buffers) <= 3

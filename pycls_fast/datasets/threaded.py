@@ -3,16 +3,18 @@
     consumer thread: submits the tasks of `prefetch` batches ahead, then for each batch
       waits for its tasks, yields it and submits the next batch's tasks
     `num_threads` decoding threads: one task = a chunk of rows of one batch, decoded
-      and written straight into the batch's preallocated buffer
+      and written straight into the batch's buffer (allocated when the first chunk
+      starts)
 
 Pillow and torch release the GIL while they decode and resize, so the threads run in
 parallel; only the per-image Python glue (about a tenth of the work) is serialized.
 There is no scheduler thread: on this project's 2-core measurements, an spdl.pipeline
 of the same chunk tasks (`DATA_LOADER.MODE spdl`, pycls_fast/datasets/spdl_pipeline.py)
 kept the cores about 10% less busy, its event loop thread competing with the decoding
-threads for the GIL and the cores (docs/PERFORMANCE.md, "Data loader"). Tasks are
-whole batches unless the threads would then run short of work: fewer, larger tasks
-mean fewer GIL handoffs.
+threads for the GIL and the cores (docs/PERFORMANCE.md, "Data loader"). Each batch
+is split into one chunk per thread, so the threads decode one batch together: few
+batches hold a buffer at once, where a DataLoader keeps workers x prefetch_factor
+batches in the making.
 """
 
 import collections
@@ -30,9 +32,13 @@ TASKS_PER_THREAD = 2
 
 
 def chunks_per_batch(num_threads, prefetch, tasks_per_thread=TASKS_PER_THREAD):
-    """How many tasks each batch is split into: enough that the `prefetch` batches in
-    flight hold `tasks_per_thread` tasks per thread, and no more."""
-    return max(1, math.ceil(num_threads * tasks_per_thread / max(1, prefetch)))
+    """How many tasks each batch is split into: one per thread (the threads then work
+    on the same batch, and the batches behind it need no buffer yet; whole batches per
+    thread measured no faster), or more if the `prefetch` batches in flight would
+    otherwise hold fewer than `tasks_per_thread` tasks per thread."""
+    return max(
+        num_threads, math.ceil(num_threads * tasks_per_thread / max(1, prefetch))
+    )
 
 
 class _Stats:
