@@ -9,7 +9,8 @@ run, interleaved round by round (single, threads, processes, ...; medians):
 - single: the per-image work (decode, crop, resize, flip, write into the batch) in one
   thread, no loader; the ideal is min(workers, cores) x this rate;
 - ceiling: the same work split over `workers` independent processes that send nothing
-  back: what the cores deliver in parallel, with no loader at all;
+  back (forked once before any timing, so no fork, start-up or exit is timed): what
+  the cores deliver in parallel, with no loader at all;
 - threads: DATA_LOADER.MODE threads (decoding threads fed by the consumer);
 - spdl: DATA_LOADER.MODE spdl (the same chunk tasks in an spdl.pipeline);
 - threads-per-image: an spdl pipeline with one task per image (for comparison);
@@ -129,6 +130,36 @@ class Bench:
         self.loader.plan = lambda epoch: self.batches
         self.decoder = self.loader.decoder
         self.images = sum(len(b) for b in batches)
+        self.ceiling_workers = []  # (process, pipe); see start_ceiling_workers.
+        self.worker_cpu = 0.0  # CPU seconds of live workers in the current run.
+
+    def start_ceiling_workers(self):
+        """Forks the `ceiling` processes, each owning a contiguous share of the
+        batches; done once, before anything has run (no threads to fork)."""
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        for part in np.array_split(np.arange(len(self.batches)), self.args.workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=self._ceiling_worker, args=(part, child), daemon=True
+            )
+            proc.start()
+            self.ceiling_workers.append((proc, parent))
+
+    def stop_ceiling_workers(self):
+        for proc, pipe in self.ceiling_workers:
+            pipe.send(None)
+            proc.join()
+        self.ceiling_workers = []
+
+    def _ceiling_worker(self, which, pipe):
+        # Decodes its batches each time it is told to; answers with the CPU it used.
+        while pipe.recv() is not None:
+            cpu0 = time.process_time()
+            for b in which:
+                self.decoder.load_batch(self.batches[b], 0)
+            pipe.send(time.process_time() - cpu0)
 
     def run(self, mode):
         """Runs one epoch in `mode`; returns (images/s with start-up included, CPU ms
@@ -141,8 +172,10 @@ class Bench:
             process_cpu_seconds(),
             machine_busy_seconds(),
         )
+        self.worker_cpu = 0.0
         count = getattr(self, "_" + mode.replace("-", "_"))()
-        wall, cpu = time.perf_counter() - t0, process_cpu_seconds() - cpu0
+        wall = time.perf_counter() - t0
+        cpu = process_cpu_seconds() - cpu0 + self.worker_cpu
         # CPU that other jobs took meanwhile, in cores (NaN where /proc/stat is not).
         self.foreign = (machine_busy_seconds() - busy0 - cpu) / wall
         assert count == self.images, (mode, count)
@@ -152,24 +185,14 @@ class Bench:
         return sum(len(self.decoder.load_batch(b, 0).labels) for b in self.batches)
 
     def _ceiling(self):
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("fork")
-        parts = np.array_split(np.arange(len(self.batches)), self.args.workers)
-        procs = [
-            ctx.Process(target=self._decode_batches, args=(part,)) for part in parts
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise RuntimeError("a ceiling process failed")
+        for _, pipe in self.ceiling_workers:
+            pipe.send(True)
+        for proc, pipe in self.ceiling_workers:
+            while not pipe.poll(1.0):
+                if not proc.is_alive():
+                    raise RuntimeError(f"a ceiling process failed ({proc.exitcode})")
+            self.worker_cpu += pipe.recv()
         return self.images
-
-    def _decode_batches(self, which):
-        for b in which:
-            self.decoder.load_batch(self.batches[b], 0)
 
     def _threads(self):
         self.loader.mode = "threads"
@@ -320,6 +343,7 @@ def main():
     if args.child:
         bench.run(args.child)
         return 0
+    bench.start_ceiling_workers()
     bench.run("threads")  # Warm the page cache and the code paths.
     rates, cpu = {m: [] for m in MODES}, {m: [] for m in MODES}
     repeats, foreign_kept = 0, 0.0
@@ -340,6 +364,7 @@ def main():
             + f" ({repeats} contended runs repeated so far)",
             flush=True,
         )
+    bench.stop_ceiling_workers()
     print(
         f"other jobs used at most {foreign_kept:.2f} cores during the kept runs; "
         f"{repeats} contended runs were repeated"
