@@ -139,5 +139,8 @@ def test_bench_loader_runs_every_mode_on_the_same_images(tmp_path):
     assert record["threads_over_processes"] == pytest.approx(
         rates["threads"] / rates["processes"]
     )
+    # One round: the median of per-round ratios is that round's ratio.
+    for name in ("threads_over_ideal", "threads_over_processes"):
+        assert record[f"{name}_per_round_median"] == pytest.approx(record[name])
     assert all(ms > 0 for ms in record["cpu_ms_per_image"].values())
     assert "| threads |" in result.stdout and "| processes |" in result.stdout

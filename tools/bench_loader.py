@@ -324,12 +324,30 @@ def _table(args, rates, cpu, memory, info):
     lines.append(f"| ideal ({cores_used} x single) | {ideal:.0f} | 1.00 | | | | | |")
     if memory:
         lines.append(f"| idle (imports + index, no loading) | | | | | | {idle:.0f} | |")
+    # Rates of one round were measured seconds apart, those of different rounds minutes
+    # apart: the median of per-round ratios is less moved by the machine's drift.
+    per_round = {
+        "threads_over_ideal": [
+            t / (cores_used * s) for t, s in zip(rates["threads"], rates["single"])
+        ],
+        "threads_over_processes": [
+            t / p for t, p in zip(rates["threads"], rates["processes"])
+        ],
+    }
+    lines.append("")
+    for name, values in per_round.items():
+        lines.append(
+            f"{name.replace('_', ' ')}, per round: "
+            + " ".join(f"{v:.2f}" for v in values)
+            + f"; median {statistics.median(values):.3f}"
+        )
     return "\n".join(lines), {
         "images_per_s": med,
         "ideal": ideal,
         "threads_over_ideal": med["threads"] / ideal,
         "threads_over_ceiling": med["threads"] / med["ceiling"],
         "threads_over_processes": med["threads"] / med["processes"],
+        **{f"{k}_per_round_median": statistics.median(v) for k, v in per_round.items()},
         "cpu_ms_per_image": {m: statistics.median(cpu[m]) for m in MODES},
         "peak_pss_mb": {m: v[0] for m, v in memory.items()},
         **info,
