@@ -24,15 +24,10 @@ import io
 import math
 import os
 import threading
-import warnings
 
 import numpy as np
 import torch
 from PIL import Image, ImageFile, UnidentifiedImageError
-
-# The Pillow fallback hands out read-only arrays; torch warns (once) when wrapping one,
-# although resize_crop_into only reads it.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 # What decoding raises for corrupt, truncated or unsupported files. Pillow's
 # DecompressionBombError subclasses Exception, not OSError: Pillow raises it from
@@ -237,8 +232,8 @@ class EncodedImage:
         """Reads the whole file at `path`.
 
         Four system calls (open, fstat, read, close), where `open(path).read()` makes
-        seven or more (isatty, a second read to find the end): each releases the GIL
-        and lets another loader thread take it.
+        nine (a second fstat, isatty, two lseeks, a second read to find the end): each
+        releases the GIL and lets another loader thread take it.
         """
         fd = os.open(path, os.O_RDONLY)
         try:
