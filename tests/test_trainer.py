@@ -76,6 +76,20 @@ def test_trains_logs_and_checkpoints(digits, tmp_path):
     assert {"model_state", "optimizer_state", "ema_state", "rng_state"} <= set(state)
 
 
+def test_iteration_period_ending_an_epoch_checkpoints_it(digits, tmp_path):
+    # 11 iterations an epoch; no epoch checkpoint is due after the first: the
+    # iteration period still saves its last iteration (as the start of epoch 2).
+    cfg = _cfg(
+        digits, tmp_path, "OPTIM.MAX_EPOCH", "2", "TRAIN.CHECKPOINT_PERIOD", "5",
+        "TRAIN.CHECKPOINT_ITER_PERIOD", "11",
+    )  # fmt: skip
+    train_model(cfg)
+    names = [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path))]
+    assert names == ["model_epoch_0001.pyth", "model_epoch_0002.pyth"]
+    state = torch.load(tmp_path / "checkpoints" / names[0], weights_only=False)
+    assert (state["epoch"], state["iter"]) == (1, 0)
+
+
 @pytest.mark.parametrize("mode", ["fp32", "O1"])
 def test_resume_mid_epoch_ends_with_identical_weights(digits, tmp_path, mode):
     opts = ["AMP.MODE", mode, "TRAIN.MIXED_PRECISION", str(mode == "O1"),

@@ -553,6 +553,10 @@ def _train(cfg, stop):
         dump_cfg(cfg)
     period = cfg.TRAIN.CHECKPOINT_ITER_PERIOD
 
+    def epoch_checkpoint_due(epoch):
+        last = epoch + 1 == cfg.OPTIM.MAX_EPOCH
+        return last or (epoch + 1) % cfg.TRAIN.CHECKPOINT_PERIOD == 0
+
     def on_iter_end(epoch, done, iters):
         signum = stop.agreed()
         if signum:
@@ -562,8 +566,14 @@ def _train(cfg, stop):
             message = stop_message(signum, epoch, done, path)
             logger.info(message)
             raise Stopped(message, signum)
-        if period and done % period == 0 and done < iters:
-            save(parts, epoch, done)
+        if period and done % period == 0:
+            if done < iters:
+                save(parts, epoch, done)
+            elif not epoch_checkpoint_due(epoch):
+                # The epoch's last iteration, as the start of the next epoch: without
+                # an epoch checkpoint after it, a crash early in the next epoch would
+                # lose two periods.
+                save(parts, epoch + 1, 0)
 
     results = {}
     if start_epoch >= cfg.OPTIM.MAX_EPOCH:
@@ -578,7 +588,7 @@ def _train(cfg, stop):
         results["train"] = train_epoch(parts, epoch, start_iter, on_iter_end)
         start_iter = 0
         last_epoch = epoch + 1 == cfg.OPTIM.MAX_EPOCH
-        if (epoch + 1) % cfg.TRAIN.CHECKPOINT_PERIOD == 0 or last_epoch:
+        if epoch_checkpoint_due(epoch):
             save(parts, epoch + 1, 0)
         if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or last_epoch:
             results["test"] = test_epoch(parts, parts.module, epoch)
