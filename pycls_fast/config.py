@@ -20,6 +20,8 @@ import os
 import yaml
 from yacs.config import CfgNode
 
+from pycls_fast.errors import ConfigError
+
 _C = CfgNode()
 
 
@@ -611,10 +613,6 @@ _DEPRECATED_KEYS = {"PREC_TIME.BATCH_SIZE", "PREC_TIME.ENABLED"}
 
 _DEFAULTS = _C.clone()
 _DEFAULTS.freeze()
-
-
-class ConfigError(ValueError):
-    """A user mistake in a config file or override: one line naming the key."""
 
 
 def get_cfg():

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pycls_fast.core.cli import UserError
 from pycls_fast.datasets.index import load_index, scan_split
+from pycls_fast.errors import UserError
 
 
 def _touch_image(path, mode="RGB", fmt=None):

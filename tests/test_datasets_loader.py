@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from pycls_fast.config import ConfigError, get_cfg
-from pycls_fast.core.cli import UserError
 from pycls_fast.datasets.loader import (
     BadImagesError,
     construct_test_loader,
     construct_train_loader,
 )
 from pycls_fast.datasets.synthetic import make_image_folder
+from pycls_fast.errors import UserError
 
 NUM_CLASSES, PER_CLASS = 3, 6  # 18 images per split
 

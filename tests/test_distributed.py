@@ -12,9 +12,10 @@ import psutil
 import pytest
 import torch
 
-from pycls_fast.config import ConfigError, load_cfg
-from pycls_fast.core import distributed
+from pycls_fast.config import load_cfg
+from pycls_fast.core import distributed, launch
 from pycls_fast.core.logging import load_json_stats
+from pycls_fast.errors import ConfigError, RankFailedError
 
 from .conftest import DIGITS_CFG, ROOT, TINY
 
@@ -225,8 +226,8 @@ def _state_bytes(cfg):
 def test_fsdp_shards_parameters_gradients_and_optimizer_state():
     opts = [*TINY, "VIT.NUM_LAYERS", "4", "VIT.HIDDEN_DIM", "64", "VIT.MLP_DIM", "256"]
     opts += ["OPTIM.OPTIMIZER", "adamw", "TRAIN.BATCH_SIZE", "16", "NUM_GPUS"]
-    whole = distributed.launch(_state_bytes, load_cfg(None, [*opts, "1"]))[0]
-    ranks = distributed.launch(
+    whole = launch.launch(_state_bytes, load_cfg(None, [*opts, "1"]))[0]
+    ranks = launch.launch(
         _state_bytes, load_cfg(None, [*opts, "2", "FSDP.ENABLED", "True"])
     )
     assert len(ranks) == 2
@@ -265,7 +266,7 @@ def test_fp16_loss_scaling_skips_the_step_on_every_rank():
         [*TINY, "NUM_GPUS", "2", "TRAIN.BATCH_SIZE", "16", "FSDP.ENABLED", "True"]
         + ["AMP.MODE", "O2", "AMP.DTYPE", "fp16"],
     )
-    ranks = distributed.launch(_overflow_on_rank_1, cfg)
+    ranks = launch.launch(_overflow_on_rank_1, cfg)
     # Both ranks skip the step and halve the scale, though only rank 1 overflowed.
     assert ranks == [(True, 2.0**15), (True, 2.0**15)]
 
@@ -279,22 +280,22 @@ def _differ_on_rank_1(cfg):
 
 def test_mismatched_configs_across_ranks_are_refused():
     cfg = load_cfg(None, [*TINY, "NUM_GPUS", "2", "TRAIN.BATCH_SIZE", "16"])
-    with pytest.raises(distributed.RankFailedError) as e:
-        distributed.launch(_differ_on_rank_1, cfg)
+    with pytest.raises(RankFailedError) as e:
+        launch.launch(_differ_on_rank_1, cfg)
     assert e.value.exit_code == 2
 
 
 def test_num_gpus_must_match_torchrun_world_size(monkeypatch):
     cfg = load_cfg(None, [*TINY, "NUM_GPUS", "4", "TRAIN.BATCH_SIZE", "16"])
     with pytest.raises(ConfigError, match="NUM_GPUS \\(4\\) does not match"):
-        distributed._match_world_size(cfg, 2)
+        launch._match_world_size(cfg, 2)
     cfg = load_cfg(None, [*TINY, "TRAIN.BATCH_SIZE", "15", "TEST.BATCH_SIZE", "16"])
     with pytest.raises(
         ConfigError, match="TRAIN.BATCH_SIZE \\(15\\) must be divisible"
     ):
-        distributed._match_world_size(cfg, 2)
+        launch._match_world_size(cfg, 2)
     cfg = load_cfg(None, [*TINY, "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "16"])
-    distributed._match_world_size(cfg, 2)
+    launch._match_world_size(cfg, 2)
     assert cfg.NUM_GPUS == 2
 
 

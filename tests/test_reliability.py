@@ -15,10 +15,10 @@ import torch
 
 from pycls_fast.config import load_cfg
 from pycls_fast.core import checkpoint as ckpt
-from pycls_fast.core.cli import UserError
 from pycls_fast.core.logging import load_json_stats
 from pycls_fast.core.run_lock import OutDirInUseError, RunLock
 from pycls_fast.core.trainer import train_model
+from pycls_fast.errors import UserError
 
 from .conftest import DIGITS_CFG, ROOT
 

@@ -12,18 +12,15 @@ forward+backward kernel per dtype is what `VIT.ATTENTION: auto` should pick
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from pycls_fast.core.cli import UserError, run  # noqa: E402
-from pycls_fast.models.attention import KERNELS, attend  # noqa: E402
+from pycls_fast.core.cli import run
+from pycls_fast.errors import UserError
+from pycls_fast.models.attention import KERNELS, attend
 
 # name: (heads, seq, head_dim) of ViT attention at 224 px with 16 px patches
 SHAPES = {

@@ -35,26 +35,24 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from pycls_fast.config import load_cfg  # noqa: E402
-from pycls_fast.core import benchmark, distributed  # noqa: E402
-from pycls_fast.core.cli import UserError, run  # noqa: E402
-from pycls_fast.core.precision import input_dtype  # noqa: E402
-from pycls_fast.core.trainer import (  # noqa: E402
+from pycls_fast.config import load_cfg
+from pycls_fast.core import benchmark, distributed
+from pycls_fast.core.cli import run
+from pycls_fast.core.precision import input_dtype
+from pycls_fast.core.trainer import (
     build_components,
     seed_everything,
     train_step,
 )
-from pycls_fast.datasets.device import DeviceBatchTransform  # noqa: E402
-from pycls_fast.datasets.loader import construct_train_loader  # noqa: E402
-from pycls_fast.models import complexity  # noqa: E402
-from pycls_fast.models.timm_compat import build_timm_vit  # noqa: E402
+from pycls_fast.datasets.device import DeviceBatchTransform
+from pycls_fast.datasets.loader import construct_train_loader
+from pycls_fast.errors import UserError
+from pycls_fast.models import complexity
+from pycls_fast.models.timm_compat import build_timm_vit
 
 # (name, label, config overrides added by this rung); each rung keeps the ones before.
 BASELINE = [

@@ -35,16 +35,15 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from pycls_fast.config import get_cfg  # noqa: E402
-from pycls_fast.core.cli import UserError, run  # noqa: E402
-from pycls_fast.core.cpu_time import (  # noqa: E402
+from pycls_fast.config import get_cfg
+from pycls_fast.core.cli import run
+from pycls_fast.core.cpu_time import (
     machine_busy_seconds,
     process_cpu_seconds,
 )
+from pycls_fast.errors import UserError
 
 MODES = ("single", "ceiling", "threads", "spdl", "threads-per-image", "processes")
 LOADERS = ("threads", "spdl", "threads-per-image", "processes")

@@ -14,17 +14,14 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from pycls_fast.config import load_cfg  # noqa: E402
-from pycls_fast.core.cli import run  # noqa: E402
-from pycls_fast.core.optimizer import param_groups  # noqa: E402
-from pycls_fast.models import build_model  # noqa: E402
+from pycls_fast.config import load_cfg
+from pycls_fast.core.cli import run
+from pycls_fast.core.optimizer import param_groups
+from pycls_fast.models import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {

@@ -13,12 +13,10 @@ world size).
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pycls_fast.core import sharded_checkpoint  # noqa: E402
-from pycls_fast.core.cli import UserError, run  # noqa: E402
+from pycls_fast.core import sharded_checkpoint
+from pycls_fast.core.cli import run
+from pycls_fast.errors import UserError
 
 
 def main():

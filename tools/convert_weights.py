@@ -13,16 +13,14 @@ checkpoint {'model_state': ..., 'cfg': ...}; timm output is a plain state dict.
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from pycls_fast.core.checkpoint import save_atomically  # noqa: E402
-from pycls_fast.core.cli import UserError, cfg_from_args, config_parser, run  # noqa: E402
-from pycls_fast.models import build_model  # noqa: E402
-from pycls_fast.models.timm_compat import from_timm, to_timm  # noqa: E402
+from pycls_fast.core.checkpoint import save_atomically
+from pycls_fast.core.cli import cfg_from_args, config_parser, run
+from pycls_fast.errors import UserError
+from pycls_fast.models import build_model
+from pycls_fast.models.timm_compat import from_timm, to_timm
 
 
 def load_weights(path):

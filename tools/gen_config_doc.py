@@ -9,13 +9,11 @@ With --check, exits 1 if docs/CONFIG.md is out of date (tests run this).
 import argparse
 import os
 import re
-import sys
+
+from pycls_fast import config
+from pycls_fast.core.cli import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from pycls_fast import config  # noqa: E402
-from pycls_fast.core.cli import run  # noqa: E402
 
 DOC = os.path.join(ROOT, "docs", "CONFIG.md")
 _KEY = re.compile(r"^_C\.([A-Z0-9_.]+) = (?!CfgNode)")

@@ -3,12 +3,9 @@
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pycls_fast.core.cli import cfg_from_args, config_parser, run  # noqa: E402
-from pycls_fast.models import build_model, complexity  # noqa: E402
+from pycls_fast.core.cli import cfg_from_args, config_parser, run
+from pycls_fast.models import build_model, complexity
 
 
 def main():

@@ -10,12 +10,10 @@ overlaid (one colour each, labelled by folder) and the figure goes to --out
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pycls_fast.core.cli import UserError, run  # noqa: E402
-from pycls_fast.core.logging import LOG_FILE, load_json_stats  # noqa: E402
+from pycls_fast.core.cli import run
+from pycls_fast.core.logging import LOG_FILE, load_json_stats
+from pycls_fast.errors import UserError
 
 
 def epoch_number(value):

@@ -2,13 +2,9 @@
 """Builds the demo dataset: python tools/prepare_digits.py [--root data/digits]."""
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pycls_fast.core.cli import run  # noqa: E402
-from pycls_fast.datasets.digits import build_digits_folder  # noqa: E402
+from pycls_fast.core.cli import run
+from pycls_fast.datasets.digits import build_digits_folder
 
 
 def main():

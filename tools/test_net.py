@@ -4,20 +4,15 @@
 KEY VALUE pairs override config keys. TEST.WEIGHTS is a checkpoint file or a sharded
 (FSDP) checkpoint directory. Runs under torchrun or with NUM_GPUS N like train_net."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pycls_fast.core import distributed  # noqa: E402
-from pycls_fast.core.cli import cfg_from_args, config_parser, run  # noqa: E402
-from pycls_fast.core.trainer import test_model  # noqa: E402
+from pycls_fast.core.cli import cfg_from_args, config_parser, run
+from pycls_fast.core.launch import launch
+from pycls_fast.core.trainer import test_model
 
 
 def main():
     parser = config_parser("Evaluate TEST.WEIGHTS on DATA.PATH/TEST.SPLIT.")
     cfg = cfg_from_args(parser.parse_args())
-    record = distributed.launch(test_model, cfg)
+    record = launch(test_model, cfg)
     if record is None:  # not rank 0
         return
     print(

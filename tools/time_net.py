@@ -21,28 +21,26 @@ parameter + optimizer-state bytes each rank holds, and each rank's peak RSS:
 
 import functools
 import json
-import os
 import platform
 import resource
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from pycls_fast.core import benchmark, distributed  # noqa: E402
-from pycls_fast.core.cli import UserError, cfg_from_args, config_parser, run  # noqa: E402
-from pycls_fast.core.parallel import state_bytes  # noqa: E402
-from pycls_fast.core.trainer import (  # noqa: E402
+from pycls_fast.core import benchmark, distributed
+from pycls_fast.core.cli import cfg_from_args, config_parser, run
+from pycls_fast.core.launch import launch
+from pycls_fast.core.parallel import state_bytes
+from pycls_fast.core.trainer import (
     build_components,
     seed_everything,
     train_step,
 )
-from pycls_fast.datasets.loader import construct_train_loader  # noqa: E402
-from pycls_fast.models import complexity  # noqa: E402
+from pycls_fast.datasets.loader import construct_train_loader
+from pycls_fast.errors import UserError
+from pycls_fast.models import complexity
 
 
 def loader_throughput(cfg, batches):
@@ -170,13 +168,13 @@ def main():
         if bad or not modes:
             raise UserError(f"--parallel takes 'ddp', 'fsdp' or both, got {bad}")
         cfg.FSDP.ENABLED = "fsdp" in modes  # so that one process gets a group too
-        records = distributed.launch(
+        records = launch(
             functools.partial(compare_parallel, modes=modes, rounds=args.rounds), cfg
         )
         if records is not None:  # rank 0
             print_parallel(records, args)
         return
-    record = distributed.launch(functools.partial(measure, args=args), cfg)
+    record = launch(functools.partial(measure, args=args), cfg)
     if record is not None:
         report(record, args)
 

@@ -6,14 +6,11 @@ the CPU cores); under `torchrun --nproc_per_node N` each process is one rank."""
 
 import logging
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pycls_fast.core import distributed  # noqa: E402
-from pycls_fast.core.cli import cfg_from_args, config_parser, run  # noqa: E402
-from pycls_fast.core.preemption import Stopped  # noqa: E402
-from pycls_fast.core.trainer import train_model  # noqa: E402
+from pycls_fast.core.cli import cfg_from_args, config_parser, run
+from pycls_fast.core.launch import launch
+from pycls_fast.core.trainer import train_model
+from pycls_fast.errors import Stopped
 
 
 def train(cfg):
@@ -31,7 +28,7 @@ def train(cfg):
 def main():
     parser = config_parser("Train a model (logs, checkpoints and plots in OUT_DIR).")
     cfg = cfg_from_args(parser.parse_args())
-    results = distributed.launch(train, cfg)
+    results = launch(train, cfg)
     if results is None:  # not rank 0
         return
     test = results.get("test", {})

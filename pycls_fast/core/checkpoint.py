@@ -19,15 +19,11 @@ import shutil
 import numpy as np
 import torch
 
-from pycls_fast.core.cli import UserError
 from pycls_fast.core.sharded_checkpoint import is_sharded, read_model_state
+from pycls_fast.errors import CheckpointError
 from pycls_fast.models.timm_compat import unwrap_state_dict
 
 _NAME = re.compile(r"^model_epoch_(\d{4})(?:_iter_(\d{6}))?\.(pyth|dcp)$")
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be used: missing, truncated or from another model."""
 
 
 def checkpoint_dir(out_dir):

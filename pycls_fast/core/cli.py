@@ -6,12 +6,11 @@ file), 1 for a runtime failure. Errors are one line on stderr naming what is wro
 
 import argparse
 import sys
+from collections.abc import Callable
 
-from pycls_fast.config import ConfigError, load_cfg
-
-
-class UserError(Exception):
-    """A mistake in what the user asked for (exit status 2)."""
+from pycls_fast.config import load_cfg
+from pycls_fast.core.launch import exit_process
+from pycls_fast.errors import error_line, exit_code
 
 
 def config_parser(description):
@@ -32,33 +31,12 @@ def cfg_from_args(args):
     return load_cfg(args.cfg_file, args.opts or [])
 
 
-def _exit(code):
-    # A torchrun worker that used a process group skips the interpreter's teardown
-    # (core/distributed.py, exit_process); only look if that module is in use.
-    distributed = sys.modules.get("pycls_fast.core.distributed")
-    if distributed is not None:
-        distributed.exit_process(code)
-    sys.exit(code)
-
-
-def run(main):
-    """Runs `main()` and maps failures to one line on stderr and an exit status."""
+def run(main: Callable[[], int | None]) -> None:
+    """Runs `main()` and ends the process: 0, or the failure's one line on stderr
+    and its exit status (errors.exit_code maps it by type)."""
     try:
-        code = main()
-    except (ConfigError, UserError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        _exit(2)
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        _exit(130)
-    except Exception as e:  # noqa: BLE001 - the last line of defence for tools
-        # Errors that carry their exit status (a failed rank of a spawned job) name
-        # what failed themselves.
-        code = getattr(e, "exit_code", None)
-        if getattr(e, "signum", None):  # stopped on request, checkpoint written
-            print(e, file=sys.stderr)
-        else:
-            what = str(e) if code else f"{type(e).__name__}: {e}"
-            print(f"error: {what}", file=sys.stderr)
-        _exit(code or 1)
-    _exit(code or 0)
+        code = main() or 0
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the tools' last line
+        print(error_line(e), file=sys.stderr)
+        code = exit_code(e)
+    exit_process(code)

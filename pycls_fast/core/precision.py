@@ -17,8 +17,8 @@ import enum
 import torch
 from torch import nn
 
-from pycls_fast.config import ConfigError
 from pycls_fast.core.distributed import local_tensor
+from pycls_fast.errors import ConfigError
 
 
 class AmpMode(enum.Enum):

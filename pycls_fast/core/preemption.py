@@ -17,18 +17,9 @@ import signal
 import threading
 
 from pycls_fast.core import distributed
+from pycls_fast.errors import Stopped  # noqa: F401 - raised by the trainer
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class Stopped(Exception):
-    """Training stopped on a signal after writing a checkpoint. `exit_code` is
-    128 + the signal number, as a shell reports a process ended by that signal."""
-
-    def __init__(self, message, signum):
-        super().__init__(message)
-        self.signum = signum
-        self.exit_code = 128 + signum
 
 
 class StopRequest:

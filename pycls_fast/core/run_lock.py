@@ -10,13 +10,9 @@ import fcntl
 import os
 import time
 
-from pycls_fast.core.cli import UserError
+from pycls_fast.errors import OutDirInUseError
 
 LOCK_FILE = ".lock"
-
-
-class OutDirInUseError(UserError):
-    """Another training holds OUT_DIR."""
 
 
 class RunLock:

@@ -27,12 +27,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pycls_fast.core import distributed
+from pycls_fast.errors import CheckpointError
 
 SUFFIX = ".dcp"
-
-
-class ShardedCheckpointError(ValueError):
-    """A sharded checkpoint that cannot be used here (its message names the path)."""
 
 
 def is_sharded(path):
@@ -96,11 +93,11 @@ def _check_fits(path, saved, prefix, state):
     for key, value in state.items():
         entry = saved.get(f"{prefix}.{key}")
         if entry is None:
-            raise ShardedCheckpointError(
+            raise CheckpointError(
                 f"checkpoint {path} does not fit this model: it lacks {key}"
             )
         if hasattr(entry, "size") and tuple(entry.size) != tuple(value.shape):
-            raise ShardedCheckpointError(
+            raise CheckpointError(
                 f"checkpoint {path} does not fit this model: it has {key} of shape "
                 f"{tuple(entry.size)}, the model expects {tuple(value.shape)}"
             )

@@ -27,7 +27,6 @@ from pycls_fast.config import dump_cfg
 from pycls_fast.core import checkpoint as ckpt
 from pycls_fast.core import distributed
 from pycls_fast.core import sharded_checkpoint as sharded
-from pycls_fast.core.cli import UserError
 from pycls_fast.core.ema import create_ema, ema_alpha, ema_enabled, update_ema
 from pycls_fast.core.logging import format_eta, log_json_stats, setup_logging
 from pycls_fast.core.meters import EpochMeter, memory_mb, topk_errors
@@ -42,17 +41,20 @@ from pycls_fast.core.precision import (
     prepare_model,
     resolve_amp,
 )
-from pycls_fast.core.preemption import Stopped, StopRequest, stop_message
-from pycls_fast.core.run_lock import OutDirInUseError, RunLock
+from pycls_fast.core.preemption import StopRequest, stop_message
+from pycls_fast.core.run_lock import RunLock
 from pycls_fast.datasets.device import DeviceBatchTransform
 from pycls_fast.datasets.loader import construct_test_loader, construct_train_loader
+from pycls_fast.errors import (
+    CheckpointError,
+    NonFiniteLossError,
+    OutDirInUseError,
+    Stopped,
+    UserError,
+)
 from pycls_fast.models import build_model
 
 logger = logging.getLogger(__name__)
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or inf: training stops instead of writing garbage."""
 
 
 @dataclass
@@ -413,7 +415,7 @@ def training_state(parts, epoch, iteration):
 
 def _wrong_layout(path, sharded_file):
     how = "FSDP.ENABLED True" if sharded_file else "FSDP.ENABLED False"
-    return ckpt.CheckpointError(
+    return CheckpointError(
         f"checkpoint {path} was written by a run with {how}: resume with that "
         "setting, or start a new OUT_DIR from its weights (TRAIN.WEIGHTS; "
         "tools/consolidate_checkpoint.py makes one file of a sharded checkpoint)"
@@ -422,9 +424,7 @@ def _wrong_layout(path, sharded_file):
 
 def _mismatch(path, e):
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return ckpt.CheckpointError(
-        f"checkpoint {path} does not fit this model/config: {first}"
-    )
+    return CheckpointError(f"checkpoint {path} does not fit this model/config: {first}")
 
 
 def restore(parts, path):
@@ -435,8 +435,8 @@ def restore(parts, path):
     if sharded.is_sharded(path):
         try:
             meta, own = sharded.load(path, parts.model, parts.optimizer, parts.ema)
-        except sharded.ShardedCheckpointError as e:
-            raise ckpt.CheckpointError(str(e)) from None
+        except CheckpointError:
+            raise
         except (KeyError, RuntimeError, ValueError) as e:
             raise _mismatch(path, e) from None
         state = {**meta, **(own or {})}

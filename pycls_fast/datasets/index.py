@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pycls_fast.core.cli import UserError
+from pycls_fast.errors import UserError
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
 

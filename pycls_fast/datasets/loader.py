@@ -18,8 +18,6 @@ import time
 
 import torch
 
-from pycls_fast.config import ConfigError
-from pycls_fast.core.cli import UserError
 from pycls_fast.datasets import sharding
 from pycls_fast.datasets.batch import ImageDecoder
 from pycls_fast.datasets.index import load_index
@@ -27,12 +25,9 @@ from pycls_fast.datasets.processes import iterate_processes
 from pycls_fast.datasets.spdl_pipeline import iterate_spdl
 from pycls_fast.datasets.threaded import iterate_threaded
 from pycls_fast.datasets.transforms import build_transform
+from pycls_fast.errors import BadImagesError, ConfigError, UserError
 
 logger = logging.getLogger(__name__)
-
-
-class BadImagesError(UserError):
-    """More images failed to decode than DATA_LOADER.MAX_BAD_FRAC allows."""
 
 
 class ImageLoader:

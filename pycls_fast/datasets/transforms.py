@@ -18,8 +18,8 @@ import re
 import numpy as np
 from PIL import Image
 
-from pycls_fast.config import ConfigError
 from pycls_fast.datasets.decode import crop_resize
+from pycls_fast.errors import ConfigError
 
 # ImageNet mean in 0-255, timm's fill colour for geometric augmentations.
 _FILL = (124, 116, 104)

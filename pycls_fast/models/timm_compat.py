@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from pycls_fast.config import ConfigError
+from pycls_fast.errors import ConfigError
 from pycls_fast.models.vit import ViTParams
 
 # (timm suffix, ours suffix) for each encoder block
