@@ -9,14 +9,15 @@ setup(
     "optimizers, pooled classifier, batch-second layout, threaded data loading",
     packages=find_packages(include=["pycls_fast", "pycls_fast.*"]),
     python_requires=">=3.10",
+    # What the package imports, as ranges, so that GPU boxes keep their CUDA build
+    # of torch. Not here: fairscale (torch's FSDP2 replaces it; its last release fails
+    # on current torch), apex (not on PyPI; torch's fused optimizers and autocast
+    # replace it), iopath (nothing uses it). torchvision comes with timm.
     install_requires=[
-        # Ranges, so that GPU boxes keep their CUDA build of torch.
         "torch>=2.6",
-        "torchvision>=0.21",
         "timm>=1.0,<2",
         "spdl>=0.1",
         "yacs>=0.1.8",
-        "iopath>=0.1.9",
         "numpy>=1.24",
         "pillow>=10",
         "pyyaml>=6",

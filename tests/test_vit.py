@@ -152,3 +152,21 @@ def test_attention_kernels_agree():
     for kernel in ["sdpa", "sdpa_math", "sdpa_flash", "auto"]:
         assert kernel == "auto" or kernel in KERNELS
         torch.testing.assert_close(attend(q, k, v, kernel), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_stem_init_matches_pycls_main():
+    """pycls main's init: He-normal 3x3 stem convs (std sqrt(2 / w_out)), the last
+    stem conv std sqrt(1 / w_out), biases zero; qkv Xavier-uniform."""
+    wide = [
+        "VIT.STEM_TYPE", "conv",
+        "VIT.C_STEM_KERNELS", "[3, 3, 1]",
+        "VIT.C_STEM_STRIDES", "[2, 4, 1]",
+        "VIT.C_STEM_DIMS", "[64, 128, 48]",
+    ]  # fmt: skip
+    stem = build_model(tiny_cfg(*wide)).stem
+    first, second = stem.cstem0_conv.weight, stem.cstem1_conv.weight
+    last = stem.cstem_last_conv
+    for w, width in ((first, 64), (second, 128)):
+        assert w.std().item() == pytest.approx((2.0 / width) ** 0.5, rel=0.05)
+    assert last.weight.std().item() == pytest.approx((1.0 / 48) ** 0.5, rel=0.05)
+    assert torch.count_nonzero(last.bias) == 0

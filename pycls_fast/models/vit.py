@@ -332,8 +332,12 @@ class ViT(nn.Module):
         return {"params": cx["params"], "flops": cx["flops"], "acts": cx["acts"]}
 
 
-def init_weights_vit(model):
-    """pycls's ViT weight init."""
+def init_weights_vit(model: nn.Module) -> None:
+    """ViT weight init of pycls main (commit 484bb29, "Use batch-second tensor layout
+    in ViT", and unchanged since): He-normal 3x3 conv-stem convs, std sqrt(1 / w_out)
+    for the stem's last conv. The attention projections get what pycls's
+    torch.nn.MultiheadAttention gets by default: Xavier-uniform qkv with zero bias,
+    torch's default out-projection weight with zero bias."""
     for name, m in model.named_modules():
         if isinstance(m, nn.Conv2d):
             if "patchify" in name:
@@ -341,15 +345,16 @@ def init_weights_vit(model):
                 init.trunc_normal_(m.weight, std=math.sqrt(1.0 / fan_in))
                 init.zeros_(m.bias)
             elif "cstem_last" in name:
-                init.normal_(m.weight, mean=0.0, std=math.sqrt(2.0 / m.out_channels))
+                init.normal_(m.weight, mean=0.0, std=math.sqrt(1.0 / m.out_channels))
                 init.zeros_(m.bias)
-            # Other conv-stem convs keep torch's default init (as pycls).
+            elif "cstem" in name:
+                init.normal_(m.weight, mean=0.0, std=math.sqrt(2.0 / m.out_channels))
         elif isinstance(m, nn.Linear):
             if name.endswith("attn_proj"):
                 init.xavier_uniform_(m.weight)
                 init.zeros_(m.bias)
             elif name.endswith("out_proj"):
-                init.zeros_(m.bias)  # torch's default weight init (as pycls)
+                init.zeros_(m.bias)
             elif "mlp_block" in name:
                 init.xavier_uniform_(m.weight)
                 init.normal_(m.bias, std=1e-6)
