@@ -34,12 +34,12 @@ def image_seed(seed, epoch, index):
 class BufferPool:
     """Batch buffers handed out again once nothing refers to them any more.
 
-    A fresh 10 MB buffer per batch costs page faults on every write (about 5% of the
-    decoding CPU), and, freed by another thread than the one that allocated it, grows
-    glibc's heaps: the threaded loader's peak memory measured 1.6x that of the process
-    loader without this pool. Each buffer is handed out as a view; when the view dies
-    (the batch and every tensor made from it are gone), the base array returns here.
-    At most `keep` idle buffers are kept; any number may be in use.
+    A fresh buffer per batch costs page faults on every write and, freed by another
+    thread than the one that allocated it, grows glibc's heaps (the effect on peak
+    memory is in docs/PERFORMANCE.md, "Data loader"). Each buffer is handed out as a
+    view; when the view dies (the batch and every tensor made from it are gone), the
+    base array returns here. At most `keep` idle buffers are kept; any number may be
+    in use.
     """
 
     def __init__(self, keep=8):

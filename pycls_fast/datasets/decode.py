@@ -15,7 +15,7 @@ For JPEGs, libjpeg's DCT scaling decodes at 1/2, 1/4 or 1/8 size when the crop s
 at least the output size (`draft_scale`): large images decode in a fraction of the
 time and memory. The train crop is resized by torch's uint8 antialiased bilinear
 kernel on the RGBX pixels (`resize_crop_into`: Pillow's BILINEAR filter, vectorized,
-about 4x faster than Pillow's own resize on one core, also without the GIL). spdl's
+faster than Pillow's own resize and also without the GIL). spdl's
 own decoders (`spdl.io`) need FFmpeg shared libraries that a plain pip install does
 not bring, so they are not used here.
 """
@@ -199,8 +199,8 @@ def resize_crop_into(rgbx, box, out, flip=False):
         None,
         out=resized,
     )
-    # Pillow mirrors the result and drops the 4th channel, each ~3x faster than a
-    # strided copy, in one thread (torch's flip would start intra-op threads).
+    # Pillow mirrors the result and drops the 4th channel in one thread, faster than a
+    # strided copy (torch's flip would start intra-op threads).
     if flip:  # Mirroring commutes with the resize (the filter is symmetric).
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     rgb = image.tobytes("raw", "RGB")

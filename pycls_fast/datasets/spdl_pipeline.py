@@ -13,15 +13,16 @@ decoding, so the threads run in parallel. `output_order="input"` keeps the sourc
 order, so batches come out in order and runs are reproducible.
 
 The default 'threads' mode (threaded.py) runs the same tasks on a plain thread pool
-scheduled by the consumer, which measured about 10% faster on 2 cores; this pipeline
-stays selectable, and is the comparison row of tools/bench_loader.py.
+scheduled by the consumer, which keeps the cores busier on few cores (figures in
+docs/PERFORMANCE.md, "Data loader"); this pipeline stays selectable, and is a
+comparison row of the loader benchmark.
 """
 
 from concurrent.futures import ThreadPoolExecutor
 
 from spdl.pipeline import AsyncQueue, PipelineBuilder, PipelineFailure
 
-# ~30 ms of work per task at 224 px: spdl's per-task cost (~0.1 ms) stays negligible.
+# Tens of milliseconds of work per task at 224 px: spdl's per-task cost stays small.
 CHUNK_IMAGES = 16
 # Tasks queued per decoding thread. More than one, so that a thread that finishes a
 # chunk starts the next at once instead of idling until the event loop thread (which

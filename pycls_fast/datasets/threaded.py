@@ -7,11 +7,11 @@
       starts)
 
 Pillow and torch release the GIL while they decode and resize, so the threads run in
-parallel; only the per-image Python glue (about a tenth of the work) is serialized.
-There is no scheduler thread: on this project's 2-core measurements, an spdl.pipeline
-of the same chunk tasks (`DATA_LOADER.MODE spdl`, pycls_fast/datasets/spdl_pipeline.py)
-kept the cores about 10% less busy, its event loop thread competing with the decoding
-threads for the GIL and the cores (docs/PERFORMANCE.md, "Data loader"). Each batch
+parallel; only the per-image Python glue is serialized.
+There is no scheduler thread: an spdl.pipeline of the same chunk tasks
+(`DATA_LOADER.MODE spdl`, pycls_fast/datasets/spdl_pipeline.py) keeps the cores less
+busy, its event loop thread competing with the decoding threads for the GIL and the
+cores (docs/PERFORMANCE.md, "Data loader"). Each batch
 is split into one chunk per thread, so the threads decode one batch together: few
 batches hold a buffer at once, where a DataLoader keeps workers x prefetch_factor
 batches in the making.
@@ -33,9 +33,9 @@ TASKS_PER_THREAD = 2
 
 def chunks_per_batch(num_threads, prefetch, tasks_per_thread=TASKS_PER_THREAD):
     """How many tasks each batch is split into: one per thread (the threads then work
-    on the same batch, and the batches behind it need no buffer yet; whole batches per
-    thread measured no faster), or more if the `prefetch` batches in flight would
-    otherwise hold fewer than `tasks_per_thread` tasks per thread."""
+    on the same batch, and the batches behind it need no buffer yet), or more if the
+    `prefetch` batches in flight would otherwise hold fewer than `tasks_per_thread`
+    tasks per thread."""
     return max(
         num_threads, math.ceil(num_threads * tasks_per_thread / max(1, prefetch))
     )
