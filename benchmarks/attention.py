@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Measures the attention kernels, forward and forward+backward, per dtype.
 
-    python tools/bench_attention.py [--shapes vit-s,vit-b] [--batch 32] [--reps 7]
+    python -m benchmarks.attention [--shapes vit-s,vit-b] [--batch 32] [--reps 7]
 
 Kernels: every name in pycls_fast.models.attention.KERNELS that runs on this device.
 Runs are interleaved (k1, k2, ..., k1, k2, ...) and the median is reported, with the
