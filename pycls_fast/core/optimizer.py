@@ -60,8 +60,8 @@ def _multi_tensor_kwargs(mta, params):
     """foreach/fused flags: the fused kernel (one pass over all tensors of a group, on
     CUDA and on CPU) when MTA is on, a Python loop over parameters when off.
 
-    On a CPU, torch's `foreach` path is barely faster than the loop (1.01-1.08x for
-    ViT-B/16) while `fused` is 4-5x (tools/bench_optimizer.py, docs/PERFORMANCE.md).
+    On a CPU, torch's `foreach` path is no faster than the loop while `fused` is
+    several times faster (benchmarks/optimizer.py; figures in docs/PERFORMANCE.md).
     """
     if not mta:
         return {"foreach": False}
