@@ -94,7 +94,9 @@ def bench(shape, dtype_name, batch, reps, iters, device):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.attention", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--shapes", default="vit-s,vit-b", help=",".join(SHAPES))
     parser.add_argument(
         "--dtypes",

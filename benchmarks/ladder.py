@@ -77,6 +77,7 @@ PEERS = {"timm": "timm ViT, eager", "timm_compile": "timm ViT, compiled"}
 
 def _parser():
     p = argparse.ArgumentParser(
+        prog="python -m benchmarks.ladder",
         description="Training images/s of the optimization ladder and its peers, "
         "interleaved, with MFU and a bar chart.",
         epilog="KEY VALUE pairs override config keys of --cfg (see docs/CONFIG.md).",

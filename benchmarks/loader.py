@@ -50,7 +50,9 @@ LOADERS = ("threads", "spdl", "threads-per-image", "processes")
 
 
 def _parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.loader", description=__doc__.split("\n")[0]
+    )
     p.add_argument(
         "--data", default="", help="ImageNet-layout root (default: generate)"
     )

@@ -68,7 +68,9 @@ def bench(model, cfg, name, reps, device):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.optimizer", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "--cfg", default=os.path.join(ROOT, "configs/vit/ViT-B-16.yaml")
     )
