@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-slow lint format demo bench bench-attention bench-loader clean
+.PHONY: setup test test-slow lint format demo bench bench-attention bench-loader \
+	bench-optimizer clean
 
 setup: $(STAMP)
 
@@ -36,16 +37,20 @@ demo: setup
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 
+# Benchmarks (benchmarks/, run from here, not installed); figures: docs/PERFORMANCE.md.
 # The optimization ladder and its timm peers on ViT-P-4GF dims (a few minutes on 2 cores).
 bench: setup
-	$(PY) tools/bench_ladder.py --cfg configs/pycls/ViT-P-4GF.yaml \
+	$(PY) -m benchmarks.ladder --cfg configs/pycls/ViT-P-4GF.yaml \
 		--plot out/bench/ladder_ViT-P-4GF.png
 
 bench-attention: setup
-	$(PY) tools/bench_attention.py
+	$(PY) -m benchmarks.attention
 
 bench-loader: setup
-	$(PY) tools/bench_loader.py
+	$(PY) -m benchmarks.loader
+
+bench-optimizer: setup
+	$(PY) -m benchmarks.optimizer
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -7,7 +7,11 @@ setup(
     version="0.1.0",
     description="Fast ViT training in the style of pycls: AMP modes, FSDP, MTA "
     "optimizers, pooled classifier, batch-second layout, threaded data loading",
-    packages=find_packages(include=["pycls_fast", "pycls_fast.*"]),
+    # Only the library: benchmarks/ and tests/ run from a checkout, never installed.
+    packages=find_packages(
+        include=["pycls_fast", "pycls_fast.*"],
+        exclude=["benchmarks", "benchmarks.*", "tests", "tests.*"],
+    ),
     python_requires=">=3.10",
     # What the package imports, as ranges, so that GPU boxes keep their CUDA build
     # of torch. Not here: fairscale (torch's FSDP2 replaces it; its last release fails

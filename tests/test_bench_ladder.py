@@ -1,7 +1,6 @@
-"""tools/bench_ladder.py: the rungs' configs, and one tiny end-to-end run (structure and
+"""benchmarks/ladder.py: the rungs' configs, and one tiny end-to-end run (structure and
 values of the report, never timings)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,26 +8,20 @@ import sys
 
 import pytest
 
+from benchmarks.ladder import rung_configs
+
 from .conftest import ROOT
 
-TOOL = os.path.join(ROOT, "tools", "bench_ladder.py")
 EXAMPLE = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
 
 
-def _tool_module():
-    spec = importlib.util.spec_from_file_location("bench_ladder", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _run(*args):
-    cmd = [sys.executable, TOOL, *args]
+    cmd = [sys.executable, "-m", "benchmarks.ladder", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def test_each_rung_adds_one_optimization_to_the_one_before():
-    rungs = _tool_module().rung_configs(EXAMPLE, [], 8)
+    rungs = rung_configs(EXAMPLE, [], 8)
     got = [
         (name, c.AMP.MODE, c.OPTIM.MTA, c.VIT.CLASSIFIER_TYPE, c.VIT.LAYOUT)
         for name, _, c in rungs

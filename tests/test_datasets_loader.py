@@ -91,6 +91,35 @@ def test_all_modes_yield_identical_batches(data_root, tmp_path):
             assert torch.equal(x, s) and torch.equal(y, t)
 
 
+@pytest.mark.parametrize("mode", ["threads", "spdl", "processes"])
+def test_with_plan_yields_the_fixed_batches_in_that_mode(data_root, tmp_path, mode):
+    loader = construct_train_loader(_cfg(data_root, tmp_path))
+    plan = [np.array([5, 0, 17]), np.array([3, 3])]
+    fixed = loader.with_plan(plan, mode)
+    assert fixed.mode == mode and fixed.decoder is loader.decoder
+    assert loader.mode == "threads" and len(loader) == 4  # the original is unchanged
+    labels = loader.decoder.index.labels
+    for epoch in (0, 3):  # the same batches every epoch; crops follow the epoch
+        got = _epoch(fixed, epoch)
+        assert [len(y) for _, y in got] == [3, 2]
+        for (_, y), b in zip(got, plan):
+            assert torch.equal(y, torch.as_tensor(labels[b], dtype=torch.int64))
+    # Same images and crops as the default mode on the same plan.
+    ref = _epoch(loader.with_plan(plan), 3)
+    assert all(torch.equal(x, p) for (x, _), (p, _) in zip(ref, got))
+
+
+def test_with_plan_rejects_bad_modes_and_indices(data_root, tmp_path):
+    loader = construct_train_loader(_cfg(data_root, tmp_path))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        loader.with_plan([np.arange(4)], "fork")
+    with pytest.raises(ValueError, match=r"indices in \[0, 18\)"):
+        loader.with_plan([np.array([0, 18])])
+    with pytest.raises(ValueError, match="1-d array"):
+        loader.with_plan([np.zeros((2, 2), dtype=np.int64)])
+    assert len(loader.with_plan([])) == 0
+
+
 def test_test_split_covered_once_across_ranks(data_root, tmp_path):
     cfg = _cfg(data_root, tmp_path, TEST__BATCH_SIZE=8)  # 4 per rank
     seen = []

@@ -208,12 +208,12 @@ def test_sharded_checkpoints_resume_at_any_world_size(digits, tmp_path):
 
 def _state_bytes(cfg):
     """One training step; this rank's parameter, gradient and optimizer bytes."""
-    from pycls_fast.core import benchmark
+    from pycls_fast.core import timing
     from pycls_fast.core.parallel import state_bytes
     from pycls_fast.core.trainer import build_components, train_step
 
     parts = build_components(cfg, loaders=False)
-    inputs, targets = benchmark.synthetic_batch(parts, 8, cfg.TRAIN.IM_SIZE)
+    inputs, targets = timing.synthetic_batch(parts, 8, cfg.TRAIN.IM_SIZE)
     train_step(parts, inputs, targets)
     # Gradients are freed by zero_grad: count them after a backward.
     loss = parts.model(inputs).float().logsumexp(1).mean()

@@ -20,12 +20,23 @@ def _tool(name, *args):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
+def _bench(name, *args):
+    """Runs `python -m benchmarks.<name>` from the repository root, as make does."""
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
 @pytest.mark.parametrize(
-    "name",
-    ["info_net.py", "convert_weights.py", "gen_config_doc.py", "bench_attention.py"],
+    "name", ["info_net.py", "convert_weights.py", "gen_config_doc.py"]
 )
 def test_help(name):
     result = _tool(name, "--help")
+    assert result.returncode == 0 and "usage:" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["attention", "loader", "optimizer"])
+def test_bench_help(name):
+    result = _bench(name, "--help")
     assert result.returncode == 0 and "usage:" in result.stdout
 
 
@@ -105,8 +116,8 @@ def test_convert_weights_bad_input(tmp_path):
 def test_bench_loader_runs_every_mode_on_the_same_images(tmp_path):
     # A tiny run of `make bench-loader`: every mode decodes the same 64 images (the
     # tool asserts the counts), ratios and CPU figures come out, memory is skipped.
-    result = _tool(
-        "bench_loader.py",
+    result = _bench(
+        "loader",
         "--gen-dir",
         str(tmp_path / "jpegs"),
         "--images",

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from pycls_fast.core import benchmark, distributed
+from pycls_fast.core import distributed, timing
 from pycls_fast.core.cli import cfg_from_args, config_parser, run
 from pycls_fast.core.launch import launch
 from pycls_fast.core.parallel import state_bytes
@@ -46,9 +46,7 @@ from pycls_fast.models import complexity
 def loader_throughput(cfg, batches):
     """The train loader's images/s on DATA.PATH, or on a temporary JPEG folder."""
     if cfg.DATA.PATH:
-        return benchmark.time_loader(
-            construct_train_loader(cfg), batches
-        ), cfg.DATA.PATH
+        return timing.time_loader(construct_train_loader(cfg), batches), cfg.DATA.PATH
     from pycls_fast.datasets.synthetic import make_image_folder
 
     per_rank = cfg.TRAIN.BATCH_SIZE // distributed.world_size()
@@ -58,7 +56,7 @@ def loader_throughput(cfg, batches):
                           images_per_class=-(-images // 4))  # fmt: skip
         cfg.defrost()
         cfg.DATA.PATH, cfg.DATA.INDEX_CACHE = root, False
-        rate = benchmark.time_loader(construct_train_loader(cfg), batches)
+        rate = timing.time_loader(construct_train_loader(cfg), batches)
         cfg.DATA.PATH = ""
     return rate, "synthetic JPEGs (500x375)"
 
@@ -93,7 +91,7 @@ def compare_parallel(cfg, modes, rounds):
     for r in range(rounds):
         for mode in modes:
             parts = built[mode]
-            inputs, targets = benchmark.synthetic_batch(parts, batch, cfg.TRAIN.IM_SIZE)
+            inputs, targets = timing.synthetic_batch(parts, batch, cfg.TRAIN.IM_SIZE)
             if r == 0:
                 _step_seconds(parts, inputs, targets, cfg.PREC_TIME.WARMUP_ITER)
             times[mode].append(
@@ -186,17 +184,17 @@ def measure(cfg, args):
     world = distributed.world_size()
     batch = cfg.TRAIN.BATCH_SIZE // world
     warmup, iters = cfg.PREC_TIME.WARMUP_ITER, cfg.PREC_TIME.NUM_ITER
-    train = benchmark.time_train(parts, batch, warmup, iters)
+    train = timing.time_train(parts, batch, warmup, iters)
     test_batch = cfg.TEST.BATCH_SIZE // world
-    test_s = benchmark.time_test(parts, test_batch, warmup, iters)
+    test_s = timing.time_test(parts, test_batch, warmup, iters)
     loader_rate, loader_on = (None, None)
     if not args.no_loader:
         loader_rate, loader_on = loader_throughput(cfg, args.loader_batches)
-    dtype = benchmark.compute_dtype(parts)
-    peak = benchmark.matmul_peak_flops(parts.device, dtype)
+    dtype = timing.compute_dtype(parts)
+    peak = timing.matmul_peak_flops(parts.device, dtype)
     flops = complexity(cfg)["flops"]  # multiply-adds per image, forward
     train_rate = batch / train["step_s"] * world
-    achieved = 3 * 2 * flops * batch / train["step_s"]  # forward + 2x backward, 2/MAC
+    achieved = timing.train_flops(flops, batch) / train["step_s"]
     bottleneck = min(train_rate, loader_rate * world) if loader_rate else train_rate
     record = {
         "config": args.cfg_file,
@@ -215,7 +213,7 @@ def measure(cfg, args):
         "matmul_peak_tflops": peak / 1e12,
         "matmul_dtype": str(dtype).replace("torch.", ""),
         "mfu": achieved / peak,
-        "epoch_time_s": benchmark.IMAGENET_TRAIN_IMAGES / bottleneck,
+        "epoch_time_s": timing.IMAGENET_TRAIN_IMAGES / bottleneck,
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),

@@ -10,12 +10,17 @@ cutmix and label smoothing run on the device: pycls_fast/datasets/device.py.
         for images, labels in loader:   # len(loader) batches
             ...
         stats = loader.stats()          # data_wait_frac, img_per_s, bad_images, ...
+
+`loader.with_plan(batches, mode)` is the same loader on a fixed list of batches (every
+epoch) in another DATA_LOADER.MODE: benchmarks and tests compare modes with it.
 """
 
 import logging
 import os
 import time
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from pycls_fast.datasets import sharding
@@ -28,6 +33,8 @@ from pycls_fast.datasets.transforms import build_transform
 from pycls_fast.errors import BadImagesError, ConfigError, UserError
 
 logger = logging.getLogger(__name__)
+
+MODES = ("threads", "spdl", "processes")  # the values of DATA_LOADER.MODE
 
 
 class ImageLoader:
@@ -65,6 +72,35 @@ class ImageLoader:
         self.start_batch = 0
         self.bad_images = []
         self._stats = {}
+
+    def with_plan(
+        self, batches: Sequence[np.ndarray], mode: str | None = None
+    ) -> "ImageLoader":
+        """A new loader over the same images and transforms (it shares this one's
+        decoder) that yields `batches`, index arrays into the image index, in that
+        order every epoch, in `mode` (default: this loader's). This loader is left as
+        it was. For comparing modes, or timing a loader, on one fixed batch plan."""
+        if mode is None:
+            mode = self.mode
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        fixed = [np.asarray(b, dtype=np.int64) for b in batches]
+        num_images = len(self.decoder.index)
+        for b in fixed:
+            if b.ndim != 1 or (b.size and (b.min() < 0 or b.max() >= num_images)):
+                raise ValueError(
+                    f"a batch must be a 1-d array of indices in [0, {num_images})"
+                )
+        return ImageLoader(
+            self.decoder,
+            lambda epoch: fixed,
+            mode,
+            self.num_workers,
+            self.prefetch,
+            self.max_bad_frac,
+            self.stats_period,
+            self.drop_empty,
+        )
 
     def set_epoch(self, epoch, start_batch=0):
         """Selects the shuffle (and crop seeds) of `epoch`: deterministic per

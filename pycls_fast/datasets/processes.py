@@ -2,7 +2,7 @@
 
 Same per-image work as the threaded mode (ImageDecoder.load, same seeds, so the same
 batches); each worker process decodes whole batches and sends them to the training
-process through shared memory. Kept for comparison (tools/bench_loader.py) and as a
+process through shared memory. Kept for comparison (benchmarks/loader.py) and as a
 fallback.
 """
 

@@ -13,9 +13,8 @@ decoding, so the threads run in parallel. `output_order="input"` keeps the sourc
 order, so batches come out in order and runs are reproducible.
 
 The default 'threads' mode (threaded.py) runs the same tasks on a plain thread pool
-scheduled by the consumer, which keeps the cores busier on few cores (figures in
-docs/PERFORMANCE.md, "Data loader"); this pipeline stays selectable, and is a
-comparison row of the loader benchmark.
+scheduled by the consumer, which measured faster on few cores (docs/PERFORMANCE.md);
+this pipeline stays selectable, and is a comparison row of benchmarks/loader.py.
 """
 
 from concurrent.futures import ThreadPoolExecutor

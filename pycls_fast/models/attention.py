@@ -5,7 +5,7 @@
 - 'sdpa': torch's scaled_dot_product_attention, backend chosen by torch;
 - 'sdpa_<backend>': SDPA restricted to one backend (flash, math, efficient, cudnn);
 - 'auto': the kernel measured fastest for the tensor's device and dtype, from
-  `MEASURED_BEST` (rerun `python tools/bench_attention.py` to refresh it; the figures
+  `MEASURED_BEST` (rerun `python -m benchmarks.attention` to refresh it; the figures
   are in docs/PERFORMANCE.md).
 """
 
@@ -22,7 +22,7 @@ _BACKENDS = {
 
 KERNELS = ["explicit", "sdpa", *_BACKENDS]
 
-# Fastest forward+backward kernel by (device type, dtype), from tools/bench_attention.py
+# Fastest forward+backward kernel by (device type, dtype), from benchmarks/attention.py
 # on ViT-sized problems (see docs/PERFORMANCE.md). Devices not listed use 'sdpa', which
 # lets torch pick (on CUDA it picks flash / memory-efficient / cuDNN kernels).
 # On an AMX CPU the explicit form wins in bf16 (its matmuls run on AMX tiles, while the

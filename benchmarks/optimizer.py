@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Optimizer step time for a model's parameter set: multi-tensor apply vs a loop.
 
-    python tools/bench_optimizer.py [--cfg configs/vit/ViT-B-16.yaml] [--reps 7]
+    python -m benchmarks.optimizer [--cfg configs/vit/ViT-B-16.yaml] [--reps 7]
 
 For each optimizer (sgd, adamw by default) times `optimizer.step()` over the model's
 real parameter set (pycls weight-decay groups) with the per-parameter loop
@@ -69,7 +68,9 @@ def bench(model, cfg, name, reps, device):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.optimizer", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "--cfg", default=os.path.join(ROOT, "configs/vit/ViT-B-16.yaml")
     )

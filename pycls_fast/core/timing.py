@@ -1,35 +1,32 @@
 """Timing of the training step, evaluation, the loader, and the device's matmul peak.
 
-Used by tools/time_net.py and tools/bench_ladder.py. Times are medians over
-PREC_TIME.NUM_ITER iterations after PREC_TIME.WARMUP_ITER warm-up iterations, on
-synthetic batches (the loader is timed on its own), so the figures isolate compute from
-data. `interleave` times several variants side by side (A, B, C, A, B, C, ...), the
-only comparison that holds on a machine shared with other jobs.
+What tools/time_net.py reports (benchmarks/ladder.py uses it too). Step and evaluation
+times are medians over `iters` calls after `warmup` untimed ones, on synthetic batches
+(the loader is timed on its own), so the figures isolate compute from data.
 """
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from pycls_fast.core.cpu_time import machine_busy_seconds, process_cpu_seconds
-from pycls_fast.core.precision import (
-    AmpMode,
-    autocast,
-    input_dtype,
-)
-from pycls_fast.core.trainer import train_step
+from pycls_fast.core.precision import AmpMode, autocast, input_dtype
+from pycls_fast.core.trainer import Components, train_step
+from pycls_fast.datasets.loader import ImageLoader
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
 
-def _sync(device):
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn, device, warmup, iters):
+def _median_time(
+    fn: Callable[[], object], device: torch.device, warmup: int, iters: int
+) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -42,7 +39,9 @@ def _median_time(fn, device, warmup, iters):
     return statistics.median(times)
 
 
-def synthetic_batch(parts, batch_size, im_size, train=True):
+def synthetic_batch(
+    parts: Components, batch_size: int, im_size: int, train: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A device batch as the loader + device prep would make it (normalized)."""
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (batch_size, 3, im_size, im_size), generator=g)
@@ -55,7 +54,9 @@ def synthetic_batch(parts, batch_size, im_size, train=True):
     return inputs.to(parts.device, dtype), labels.to(parts.device)
 
 
-def time_train(parts, batch_size, warmup, iters):
+def time_train(
+    parts: Components, batch_size: int, warmup: int, iters: int
+) -> dict[str, float]:
     """Returns {fwd_s, fwd_bwd_s, step_s} per iteration (medians)."""
     cfg = parts.cfg
     inputs, targets = synthetic_batch(parts, batch_size, cfg.TRAIN.IM_SIZE)
@@ -83,7 +84,7 @@ def time_train(parts, batch_size, warmup, iters):
     }
 
 
-def time_test(parts, batch_size, warmup, iters):
+def time_test(parts: Components, batch_size: int, warmup: int, iters: int) -> float:
     """Returns the median seconds of one evaluation batch."""
     inputs, _ = synthetic_batch(parts, batch_size, parts.cfg.TRAIN.IM_SIZE, train=False)
     model = parts.model
@@ -98,7 +99,7 @@ def time_test(parts, batch_size, warmup, iters):
     return seconds
 
 
-def time_loader(loader, batches, warmup=2):
+def time_loader(loader: ImageLoader, batches: int, warmup: int = 2) -> float:
     """Images per second the loader delivers, over `batches` after `warmup`."""
     loader.set_epoch(0)
     it = iter(loader)
@@ -117,7 +118,9 @@ def time_loader(loader, batches, warmup=2):
     return images / elapsed if elapsed > 0 else 0.0
 
 
-def matmul_peak_flops(device, dtype, size=None, iters=10):
+def matmul_peak_flops(
+    device: torch.device, dtype: torch.dtype, size: int | None = None, iters: int = 10
+) -> float:
     """Measured FLOP/s of a large square matmul in `dtype` on `device` (the peak the
     MFU is taken against: same run, same machine state)."""
     size = size or (8192 if device.type == "cuda" else 2048)
@@ -127,51 +130,12 @@ def matmul_peak_flops(device, dtype, size=None, iters=10):
     return 2.0 * size**3 / seconds
 
 
-def train_flops(flops_per_image, batch_size):
+def train_flops(flops_per_image: float, batch_size: int) -> float:
     """Model FLOPs of one training step: forward multiply-adds x 2 FLOPs x 3 (forward,
     and a backward that costs two forwards), as MFU is conventionally counted."""
     return 3 * 2 * flops_per_image * batch_size
 
 
-def _timed_call(fn, device):
-    """(seconds, other jobs' CPU in cores) of one call of `fn`."""
-    busy0, own0 = machine_busy_seconds(), process_cpu_seconds()
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    seconds = time.perf_counter() - start
-    others = machine_busy_seconds() - busy0 - (process_cpu_seconds() - own0)
-    return seconds, max(others, 0.0) / seconds
-
-
-def interleave(steps, device, rounds, iters, warmup=1, max_others=0.2, retries=3):
-    """Times each of `steps` ({name: fn}) side by side: `warmup` untimed calls of each,
-    then `rounds` rounds in which every step runs `iters` timed calls in turn.
-
-    A call during which other jobs on the machine took more than `max_others` cores
-    (/proc/stat minus this process) is repeated, up to `retries` times, keeping the
-    least contended. Returns ({name: [seconds per call]}, {name: [other jobs' cores
-    during each kept call]}).
-    """
-    for fn in steps.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in steps}
-    others = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, fn in steps.items():
-            for _ in range(iters):
-                best = _timed_call(fn, device)
-                for _ in range(retries):
-                    if not best[1] > max_others:  # NaN (no /proc/stat): keep
-                        break
-                    best = min(best, _timed_call(fn, device), key=lambda c: c[1])
-                times[name].append(best[0])
-                others[name].append(best[1])
-    return times, others
-
-
-def compute_dtype(parts):
+def compute_dtype(parts: Components) -> torch.dtype:
     """The dtype the matmuls run in: the half dtype in AMP modes, else fp32."""
     return torch.float32 if parts.mode is AmpMode.FP32 else parts.half

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """The optimization ladder: training images/s of one model, one optimization at a time.
 
-    python tools/bench_ladder.py --cfg configs/pycls/ViT-P-4GF.yaml [--batch 32]
+    python -m benchmarks.ladder --cfg configs/pycls/ViT-P-4GF.yaml [--batch 32]
         [--rounds 3] [--iters 2] [--steps baseline,amp,...] [--peers timm,...]
         [--plot FILE] [--json] [KEY VALUE ...]
 
@@ -39,8 +38,9 @@ import tempfile
 
 import torch
 
+from benchmarks.harness import interleave
 from pycls_fast.config import load_cfg
-from pycls_fast.core import benchmark, distributed
+from pycls_fast.core import distributed, timing
 from pycls_fast.core.cli import run
 from pycls_fast.core.precision import input_dtype
 from pycls_fast.core.trainer import (
@@ -77,6 +77,7 @@ PEERS = {"timm": "timm ViT, eager", "timm_compile": "timm ViT, compiled"}
 
 def _parser():
     p = argparse.ArgumentParser(
+        prog="python -m benchmarks.ladder",
         description="Training images/s of the optimization ladder and its peers, "
         "interleaved, with MFU and a bar chart.",
         epilog="KEY VALUE pairs override config keys of --cfg (see docs/CONFIG.md).",
@@ -144,7 +145,7 @@ class SyntheticStep:
 
     def __init__(self, parts, batch):
         self.parts = parts
-        self.inputs, self.targets = benchmark.synthetic_batch(
+        self.inputs, self.targets = timing.synthetic_batch(
             parts, batch, parts.cfg.TRAIN.IM_SIZE
         )
 
@@ -235,7 +236,7 @@ def build_variants(args, rungs, peers, root):
         if _try_first_step(name, step, notes):
             steps[name] = step
         flops = complexity(cfg)["flops"]
-        info[name] = (label, cfg, flops, benchmark.compute_dtype(parts))
+        info[name] = (label, cfg, flops, timing.compute_dtype(parts))
     for name in peers:
         print(f"building {name}", flush=True)
         seed_everything(last_cfg.RNG_SEED)
@@ -247,7 +248,7 @@ def build_variants(args, rungs, peers, root):
         if _try_first_step(name, step, notes):
             steps[name] = step
         flops = complexity(last_cfg)["flops"]
-        info[name] = (PEERS[name], last_cfg, flops, benchmark.compute_dtype(parts))
+        info[name] = (PEERS[name], last_cfg, flops, timing.compute_dtype(parts))
     return steps, info, notes, closers
 
 
@@ -257,7 +258,7 @@ def measure_peaks(dtypes, device, rounds):
     samples = {d: [] for d in dtypes}
     for _ in range(rounds):
         for d in dtypes:
-            samples[d].append(benchmark.matmul_peak_flops(device, d, iters=5))
+            samples[d].append(timing.matmul_peak_flops(device, d, iters=5))
     return {d: max(v) for d, v in samples.items()}
 
 
@@ -272,7 +273,7 @@ def results(args, times, others, info, notes, peaks):
         step_s = statistics.median(times[name])
         rate = args.batch / step_s
         base = base or rate
-        achieved = benchmark.train_flops(flops, args.batch) / step_s
+        achieved = timing.train_flops(flops, args.batch) / step_s
         row.update(
             img_per_s=rate,
             img_per_s_min=args.batch / max(times[name]),
@@ -386,7 +387,7 @@ def main():
             raise RuntimeError("no variant could run: " + "; ".join(notes.values()))
         dtypes = sorted({info[n][3] for n in steps}, key=str)
         print(f"timing {', '.join(steps)}", flush=True)
-        times, others = benchmark.interleave(
+        times, others = interleave(
             steps,
             device,
             args.rounds,

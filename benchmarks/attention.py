@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Measures the attention kernels, forward and forward+backward, per dtype.
 
-    python tools/bench_attention.py [--shapes vit-s,vit-b] [--batch 32] [--reps 7]
+    python -m benchmarks.attention [--shapes vit-s,vit-b] [--batch 32] [--reps 7]
 
 Kernels: every name in pycls_fast.models.attention.KERNELS that runs on this device.
 Runs are interleaved (k1, k2, ..., k1, k2, ...) and the median is reported, with the
@@ -95,7 +94,9 @@ def bench(shape, dtype_name, batch, reps, iters, device):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.attention", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--shapes", default="vit-s,vit-b", help=",".join(SHAPES))
     parser.add_argument(
         "--dtypes",

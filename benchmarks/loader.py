@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Loader benchmark: threaded vs spdl vs ideal vs torch DataLoader, images/s and memory.
 
-    python tools/bench_loader.py                  # `make bench-loader`
-    python tools/bench_loader.py --data /datasets/imagenet --images 4096 --workers 8
+    python -m benchmarks.loader                  # `make bench-loader`
+    python -m benchmarks.loader --data /datasets/imagenet --images 4096 --workers 8
 
 On one image folder (generated photo-like 500x375 JPEGs unless --data is given), in one
 run, interleaved round by round (single, threads, processes, ...; medians):
@@ -37,12 +36,13 @@ import time
 
 import numpy as np
 
-from pycls_fast.config import get_cfg
-from pycls_fast.core.cli import run
-from pycls_fast.core.cpu_time import (
+from benchmarks.harness import (
     machine_busy_seconds,
+    per_round_ratios,
     process_cpu_seconds,
 )
+from pycls_fast.config import get_cfg
+from pycls_fast.core.cli import run
 from pycls_fast.errors import UserError
 
 MODES = ("single", "ceiling", "threads", "spdl", "threads-per-image", "processes")
@@ -50,7 +50,9 @@ LOADERS = ("threads", "spdl", "threads-per-image", "processes")
 
 
 def _parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.loader", description=__doc__.split("\n")[0]
+    )
     p.add_argument(
         "--data", default="", help="ImageNet-layout root (default: generate)"
     )
@@ -119,15 +121,15 @@ class Bench:
 
         self.args = args
         self.cfg = _cfg(args, root)
-        self.loader = loader.construct_train_loader(self.cfg)
-        num = min(args.images, len(self.loader.decoder.index))
+        train = loader.construct_train_loader(self.cfg)
+        num = min(args.images, len(train.decoder.index))
         if num < args.images:
             raise UserError(f"{root}/{args.split} has only {num} images")
         # The same `num` images, in one fixed shuffled order, for every mode.
         batches = sharding.train_batches(num, args.batch_size, 0, 0, 0, 1)
         self.batches = batches
-        self.loader.plan = lambda epoch: self.batches
-        self.decoder = self.loader.decoder
+        self.loaders = {m: train.with_plan(batches, m) for m in loader.MODES}
+        self.decoder = train.decoder
         self.images = sum(len(b) for b in batches)
         self.ceiling_workers = []  # (process, pipe); see start_ceiling_workers.
         self.worker_cpu = 0.0  # CPU seconds of live workers in the current run.
@@ -194,16 +196,13 @@ class Bench:
         return self.images
 
     def _threads(self):
-        self.loader.mode = "threads"
-        return sum(len(y) for _, y in self.loader)
+        return sum(len(y) for _, y in self.loaders["threads"])
 
     def _spdl(self):
-        self.loader.mode = "spdl"
-        return sum(len(y) for _, y in self.loader)
+        return sum(len(y) for _, y in self.loaders["spdl"])
 
     def _processes(self):
-        self.loader.mode = "processes"
-        return sum(len(y) for _, y in self.loader)
+        return sum(len(y) for _, y in self.loaders["processes"])
 
     def _threads_per_image(self):
         from spdl.pipeline import PipelineBuilder
@@ -258,7 +257,9 @@ def _peak_memory(mode):
     import psutil
 
     argv = [a for a in sys.argv[1:] if a != "--json"]
-    child = subprocess.Popen([sys.executable, __file__, *argv, "--child", mode])
+    child = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.loader", *argv, "--child", mode]
+    )
     proc = psutil.Process(child.pid)
     peak_pss = peak_rss = 0
     while child.poll() is None:
@@ -323,15 +324,13 @@ def _table(args, rates, cpu, memory, info):
     lines.append(f"| ideal ({cores_used} x single) | {ideal:.0f} | 1.00 | | | | | |")
     if memory:
         lines.append(f"| idle (imports + index, no loading) | | | | | | {idle:.0f} | |")
-    # Rates of one round were measured seconds apart, those of different rounds minutes
-    # apart: the median of per-round ratios is less moved by the machine's drift.
     per_round = {
-        "threads_over_ideal": [
-            t / (cores_used * s) for t, s in zip(rates["threads"], rates["single"])
-        ],
-        "threads_over_processes": [
-            t / p for t, p in zip(rates["threads"], rates["processes"])
-        ],
+        "threads_over_ideal": per_round_ratios(
+            rates["threads"], rates["single"], cores_used
+        ),
+        "threads_over_processes": per_round_ratios(
+            rates["threads"], rates["processes"]
+        ),
     }
     lines.append("")
     for name, values in per_round.items():
