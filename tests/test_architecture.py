@@ -21,6 +21,7 @@ LAYERS = [
     ["pycls_fast.core.preemption"],
     ["pycls_fast.core.checkpoint"],
     ["pycls_fast.core.trainer"],
+    ["pycls_fast.core.timing"],  # times the trainer's step
     ["pycls_fast.core.launch"],
     ["pycls_fast.core.cli"],
 ]
