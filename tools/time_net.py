@@ -85,7 +85,11 @@ def compare_parallel(cfg, modes, rounds):
     batch = cfg.TRAIN.BATCH_SIZE // world
     built = {}
     for mode in modes:
-        variant = with_overrides(cfg, {"FSDP.ENABLED": mode == "fsdp"})
+        # The precision stays the compared config's (pycls's FSDP.MIXED_PRECISION
+        # alias would otherwise follow FSDP.ENABLED).
+        variant = with_overrides(
+            cfg, {"FSDP.ENABLED": mode == "fsdp", "AMP.MODE": cfg.AMP.MODE}
+        )
         seed_everything(cfg.RNG_SEED)
         built[mode] = build_components(variant, loaders=False)
     times = {mode: [] for mode in modes}
