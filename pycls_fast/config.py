@@ -986,10 +986,11 @@ def _resolve_aliases(cfg: CfgNode, explicit: set[str]) -> None:
     if "AMP.MODE" not in explicit or not amp.MODE:
         amp.MODE = legacy_amp_mode(cfg)
     elif amp.MODE == "fp32" and legacy_amp_mode(cfg) != "fp32":
+        alias = "FSDP" if legacy_amp_mode(cfg) == "O2" else "TRAIN"
         _warn_once(
             "AMP.MODE",
-            "AMP.MODE 'fp32' wins over pycls's mixed-precision key "
-            "(TRAIN.MIXED_PRECISION / FSDP.MIXED_PRECISION): training in fp32",
+            f"AMP.MODE 'fp32' is set, so pycls's {alias}.MIXED_PRECISION True is "
+            "ignored: the precision is fp32",
         )
     if "AMP.LAYER_NORM_FP32" not in explicit:
         amp.LAYER_NORM_FP32 = cfg.FSDP.LAYER_NORM_FP32

@@ -369,7 +369,8 @@ def test_explicit_fp32_over_an_alias_warns_once(caplog, monkeypatch):
     for _ in range(2):
         load_cfg(DIGITS, ["AMP.MODE", "fp32"])
     lines = [r.getMessage() for r in caplog.records if "AMP.MODE" in r.getMessage()]
-    assert len(lines) == 1 and "training in fp32" in lines[0]
+    assert len(lines) == 1
+    assert "TRAIN.MIXED_PRECISION True is ignored: the precision is fp32" in lines[0]
 
 
 @pytest.mark.parametrize(
