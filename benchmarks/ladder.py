@@ -39,7 +39,7 @@ import tempfile
 import torch
 
 from benchmarks.harness import interleave
-from pycls_fast.config import load_cfg
+from pycls_fast.config import load_cfg, with_overrides
 from pycls_fast.core import distributed, timing
 from pycls_fast.core.cli import run
 from pycls_fast.core.precision import input_dtype
@@ -182,15 +182,16 @@ class LoaderStep:
 
 
 def _loader_cfg(cfg, root, workers):
-    cfg = cfg.clone()
-    cfg.defrost()
-    cfg.DATA.PATH, cfg.DATA.INDEX_CACHE = root, False
-    cfg.DATA_LOADER.MODE = "threads"
-    cfg.DATA_LOADER.NUM_WORKERS = workers or min(
-        cfg.DATA_LOADER.NUM_WORKERS, os.cpu_count() or 1
+    threads = workers or min(cfg.DATA_LOADER.NUM_WORKERS, os.cpu_count() or 1)
+    return with_overrides(
+        cfg,
+        {
+            "DATA.PATH": root,
+            "DATA.INDEX_CACHE": False,
+            "DATA_LOADER.MODE": "threads",
+            "DATA_LOADER.NUM_WORKERS": threads,
+        },
     )
-    cfg.freeze()
-    return cfg
 
 
 def _jpeg_folder(root, images):

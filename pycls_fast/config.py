@@ -1,56 +1,162 @@
-"""Configuration (yacs): defaults, load + merge + validate, dump.
+"""Configuration (yacs): defaults with their limits, load + merge + validate, dump.
 
 Every key of pycls's config schema is accepted with pycls's meaning, so a pycls ViT
 config file loads unchanged. Keys that are new to pycls_fast live in their own nodes
-(AMP, DATA) or are marked "pycls_fast" in their comment. The comment above each key is
-its documentation: docs/CONFIG.md is generated from it (tools/gen_config_doc.py).
+(AMP, DATA) or are marked "pycls_fast" in their comment. Each key is declared by one
+`_key(NAME, DEFAULT, limits...)` line: the comment above it is its documentation,
+and docs/CONFIG.md is generated from both (tools/gen_config_doc.py).
 
 Usage:
     cfg = load_cfg("configs/vit/ViT-B-16.yaml", ["OPTIM.BASE_LR", "0.001"])
     model = build_model(cfg)
+    cfg2 = with_overrides(cfg, {"NUM_GPUS": 2})   # a new checked, frozen config
 
-There is no global config: `get_cfg()` returns a fresh copy of the defaults.
+There is no global config: `get_cfg()` returns a fresh, mutable copy of the defaults;
+`load_cfg` and `with_overrides` return frozen, checked configs.
+
+One switch per concept: pycls's aliases (TRAIN.MIXED_PRECISION, FSDP.MIXED_PRECISION,
+FSDP.LAYER_NORM_FP32, FSDP.DO_NOT_RESHARD_AFTER_FW, DATA_LOADER.MODE 'pytorch') are
+resolved onto pycls_fast's key at load (`_resolve_aliases`): an alias decides only
+when the file and the overrides leave the key it maps onto unset.
+
+Keys accepted for pycls compatibility but not acted on are listed in `IGNORED`; the
+values that pycls_fast does not implement are refused by the rules in `_REFUSALS`.
 """
+
+from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import difflib
+import logging
 import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import yaml
 from yacs.config import CfgNode
 
 from pycls_fast.errors import ConfigError
 
+logger = logging.getLogger(__name__)
+
 _C = CfgNode()
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """The values a key accepts, declared beside its default by `_key`.
+
+    `choices`: the allowed values (compared case-insensitively with `casefold`);
+    `gt`, `ge`, `lt`, `le`: bounds of a number; `check`: a predicate on the value,
+    `rule` the words for it ("KEY must be RULE").
+    """
+
+    choices: tuple | None = None
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    check: Callable[[Any], bool] | None = None
+    rule: str = ""
+    casefold: bool = False
+
+    def describe(self) -> str:
+        """The limit in words, e.g. "> 0", "in [0, 1)", "one of 'a', 'b'"."""
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        if self.check is not None:
+            return self.rule
+        lo = (
+            ("(", self.gt) if self.gt is not None
+            else ("[", self.ge) if self.ge is not None
+            else None
+        )  # fmt: skip
+        hi = (
+            (")", self.lt) if self.lt is not None
+            else ("]", self.le) if self.le is not None
+            else None
+        )  # fmt: skip
+        if lo and hi:
+            return f"in {lo[0]}{lo[1]}, {hi[1]}{hi[0]}"
+        if lo:
+            return f"{'>' if lo[0] == '(' else '>='} {lo[1]}"
+        return f"{'<' if hi[0] == ')' else '<='} {hi[1]}"
+
+    def error(self, key: str, value: Any) -> str | None:
+        """The one-line complaint about `value` for `key`, or None when it is fine."""
+        if self.choices is not None:
+            seen = value.lower() if self.casefold and isinstance(value, str) else value
+            if seen in self.choices:
+                return None
+            hint = _suggest(value, self.choices) if isinstance(value, str) else ""
+            return f"{key} must be one of {list(self.choices)}, got {value!r}{hint}"
+        if self.check is not None:
+            ok = self.check(value)
+        else:
+            ok = (
+                (self.gt is None or value > self.gt)
+                and (self.ge is None or value >= self.ge)
+                and (self.lt is None or value < self.lt)
+                and (self.le is None or value <= self.le)
+            )
+        return None if ok else f"{key} must be {self.describe()}, got {value!r}"
+
+
+# Each key's limits, by key, filled by `_key` beside the default.
+LIMITS: dict[str, Limit] = {}
+
+
+def _key(name: str, default: Any, **limits: Any) -> None:
+    """Declares the config key `name` (dotted) with its default and its limits (the
+    fields of `Limit`); the comment right above the call documents it."""
+    *path, leaf = name.split(".")
+    node = _C
+    for part in path:
+        node = node[part]
+    node[leaf] = default
+    if limits:
+        if "choices" in limits:
+            limits["choices"] = tuple(limits["choices"])
+        LIMITS[name] = Limit(**limits)
+
+
+def _crop_range(v: Sequence[float]) -> bool:
+    return len(v) == 2 and 0.0 < v[0] <= v[1] <= 1.0
+
+
+def _steps_from_zero(v: Sequence[float]) -> bool:
+    return not v or v[0] == 0
 
 
 # ---------------------------------- Model options ----------------------------------- #
 _C.MODEL = CfgNode()
 
 # Model type (only 'vit' is implemented)
-_C.MODEL.TYPE = "vit"
+_key("MODEL.TYPE", "vit", choices=["vit"], casefold=True)
 
 # Number of weight layers (pycls; unused by ViT, which reads VIT.NUM_LAYERS)
-_C.MODEL.DEPTH = 0
+_key("MODEL.DEPTH", 0)
 
 # Number of classes
-_C.MODEL.NUM_CLASSES = 1000
+_key("MODEL.NUM_CLASSES", 1000, gt=0)
 
 # Loss function ('cross_entropy'; label smoothing and mixup targets are handled by it)
-_C.MODEL.LOSS_FUN = "cross_entropy"
+_key("MODEL.LOSS_FUN", "cross_entropy", choices=["cross_entropy"])
 
-# Activation function for conv layers (the conv stem uses relu, the MLP uses gelu)
-_C.MODEL.ACTIVATION_FUN = "relu"
+# Activation function of the conv stem (pycls; only 'relu' is implemented, others are
+# refused; the MLP uses gelu)
+_key("MODEL.ACTIVATION_FUN", "relu")
 
 # Perform activation inplace if implemented
-_C.MODEL.ACTIVATION_INPLACE = True
+_key("MODEL.ACTIVATION_INPLACE", True)
 
 # Model scaling type (pycls; unused by ViT)
-_C.MODEL.SCALING_TYPE = ""
+_key("MODEL.SCALING_TYPE", "")
 
 # Model scaling factor (pycls; unused by ViT)
-_C.MODEL.SCALING_FACTOR = 1.0
+_key("MODEL.SCALING_FACTOR", 1.0)
 
 
 # ---------------------------------- ResNet options ---------------------------------- #
@@ -58,359 +164,372 @@ _C.MODEL.SCALING_FACTOR = 1.0
 _C.RESNET = CfgNode()
 
 # Transformation function (pycls; unused)
-_C.RESNET.TRANS_FUN = "basic_transform"
+_key("RESNET.TRANS_FUN", "basic_transform")
 
 # Number of groups (pycls; unused)
-_C.RESNET.NUM_GROUPS = 1
+_key("RESNET.NUM_GROUPS", 1)
 
 # Width of each group (pycls; unused)
-_C.RESNET.WIDTH_PER_GROUP = 64
+_key("RESNET.WIDTH_PER_GROUP", 64)
 
 # Apply stride to 1x1 conv (pycls; unused)
-_C.RESNET.STRIDE_1X1 = True
+_key("RESNET.STRIDE_1X1", True)
 
 
 # ---------------------------------- AnyNet options ---------------------------------- #
 _C.ANYNET = CfgNode()
 
 # Stem type (pycls; unused)
-_C.ANYNET.STEM_TYPE = "simple_stem_in"
+_key("ANYNET.STEM_TYPE", "simple_stem_in")
 
 # Stem width (pycls; unused)
-_C.ANYNET.STEM_W = 32
+_key("ANYNET.STEM_W", 32)
 
 # Block type (pycls; unused)
-_C.ANYNET.BLOCK_TYPE = "res_bottleneck_block"
+_key("ANYNET.BLOCK_TYPE", "res_bottleneck_block")
 
 # Depth for each stage (pycls; unused)
-_C.ANYNET.DEPTHS = []
+_key("ANYNET.DEPTHS", [])
 
 # Width for each stage (pycls; unused)
-_C.ANYNET.WIDTHS = []
+_key("ANYNET.WIDTHS", [])
 
 # Strides for each stage (pycls; unused)
-_C.ANYNET.STRIDES = []
+_key("ANYNET.STRIDES", [])
 
 # Bottleneck multipliers for each stage (pycls; unused)
-_C.ANYNET.BOT_MULS = []
+_key("ANYNET.BOT_MULS", [])
 
 # Group widths for each stage (pycls; unused)
-_C.ANYNET.GROUP_WS = []
+_key("ANYNET.GROUP_WS", [])
 
 # Head width (pycls; unused)
-_C.ANYNET.HEAD_W = 0
+_key("ANYNET.HEAD_W", 0)
 
 # Whether SE is enabled (pycls; unused)
-_C.ANYNET.SE_ON = False
+_key("ANYNET.SE_ON", False)
 
 # SE ratio (pycls; unused)
-_C.ANYNET.SE_R = 0.25
+_key("ANYNET.SE_R", 0.25)
 
 
 # ---------------------------------- RegNet options ---------------------------------- #
 _C.REGNET = CfgNode()
 
 # Stem type (pycls; unused)
-_C.REGNET.STEM_TYPE = "simple_stem_in"
+_key("REGNET.STEM_TYPE", "simple_stem_in")
 
 # Stem width (pycls; unused)
-_C.REGNET.STEM_W = 32
+_key("REGNET.STEM_W", 32)
 
 # Block type (pycls; unused)
-_C.REGNET.BLOCK_TYPE = "res_bottleneck_block"
+_key("REGNET.BLOCK_TYPE", "res_bottleneck_block")
 
 # Stride of each stage (pycls; unused)
-_C.REGNET.STRIDE = 2
+_key("REGNET.STRIDE", 2)
 
 # Squeeze-and-Excitation on (pycls; unused)
-_C.REGNET.SE_ON = False
+_key("REGNET.SE_ON", False)
 
 # Squeeze-and-Excitation ratio (pycls; unused)
-_C.REGNET.SE_R = 0.25
+_key("REGNET.SE_R", 0.25)
 
 # Depth (pycls; unused)
-_C.REGNET.DEPTH = 10
+_key("REGNET.DEPTH", 10)
 
 # Initial width (pycls; unused)
-_C.REGNET.W0 = 32
+_key("REGNET.W0", 32)
 
 # Slope (pycls; unused)
-_C.REGNET.WA = 5.0
+_key("REGNET.WA", 5.0)
 
 # Quantization (pycls; unused)
-_C.REGNET.WM = 2.5
+_key("REGNET.WM", 2.5)
 
 # Group width (pycls; unused)
-_C.REGNET.GROUP_W = 16
+_key("REGNET.GROUP_W", 16)
 
 # Bottleneck multiplier (pycls; unused)
-_C.REGNET.BOT_MUL = 1.0
+_key("REGNET.BOT_MUL", 1.0)
 
 # Head width (pycls; unused)
-_C.REGNET.HEAD_W = 0
+_key("REGNET.HEAD_W", 0)
 
 
 # ------------------------------- EfficientNet options ------------------------------- #
 _C.EN = CfgNode()
 
 # Stem width (pycls; unused)
-_C.EN.STEM_W = 32
+_key("EN.STEM_W", 32)
 
 # Depth for each stage (pycls; unused)
-_C.EN.DEPTHS = []
+_key("EN.DEPTHS", [])
 
 # Width for each stage (pycls; unused)
-_C.EN.WIDTHS = []
+_key("EN.WIDTHS", [])
 
 # Expansion ratios for MBConv blocks (pycls; unused)
-_C.EN.EXP_RATIOS = []
+_key("EN.EXP_RATIOS", [])
 
 # Squeeze-and-Excitation ratio (pycls; unused)
-_C.EN.SE_R = 0.25
+_key("EN.SE_R", 0.25)
 
 # Strides for each stage (pycls; unused)
-_C.EN.STRIDES = []
+_key("EN.STRIDES", [])
 
 # Kernel sizes for each stage (pycls; unused)
-_C.EN.KERNELS = []
+_key("EN.KERNELS", [])
 
 # Head width (pycls; unused)
-_C.EN.HEAD_W = 1280
+_key("EN.HEAD_W", 1280)
 
 # Drop connect ratio (pycls; unused)
-_C.EN.DC_RATIO = 0.0
+_key("EN.DC_RATIO", 0.0)
 
 # Dropout ratio (pycls; unused)
-_C.EN.DROPOUT_RATIO = 0.0
+_key("EN.DROPOUT_RATIO", 0.0)
 
 
 # ---------------------------- Vision Transformer options ---------------------------- #
 _C.VIT = CfgNode()
 
 # Patch size (TRAIN.IM_SIZE must be divisible by PATCH_SIZE)
-_C.VIT.PATCH_SIZE = 16
+_key("VIT.PATCH_SIZE", 16, gt=0)
 
 # Type of stem, 'patchify' or 'conv' (https://arxiv.org/abs/2106.14881)
-_C.VIT.STEM_TYPE = "patchify"
+_key("VIT.STEM_TYPE", "patchify", choices=["patchify", "conv"])
 
 # Conv-stem kernel sizes; all but the last are 3x3 convs, the last is typically 1
-_C.VIT.C_STEM_KERNELS = []
+_key("VIT.C_STEM_KERNELS", [])
 
 # Conv-stem strides (their product must equal PATCH_SIZE)
-_C.VIT.C_STEM_STRIDES = []
+_key("VIT.C_STEM_STRIDES", [])
 
 # Conv-stem output widths (the last must equal HIDDEN_DIM)
-_C.VIT.C_STEM_DIMS = []
+_key("VIT.C_STEM_DIMS", [])
 
 # Number of encoder blocks
-_C.VIT.NUM_LAYERS = 12
+_key("VIT.NUM_LAYERS", 12, gt=0)
 
 # Number of self-attention heads (HIDDEN_DIM must be divisible by it)
-_C.VIT.NUM_HEADS = 12
+_key("VIT.NUM_HEADS", 12, gt=0)
 
 # Hidden (token) width
-_C.VIT.HIDDEN_DIM = 768
+_key("VIT.HIDDEN_DIM", 768, gt=0)
 
 # Width of the MLP in each encoder block
-_C.VIT.MLP_DIM = 3072
+_key("VIT.MLP_DIM", 3072, gt=0)
 
 # Classifier: 'token' (class token) or 'pooled' (final LayerNorm, mean over tokens)
-_C.VIT.CLASSIFIER_TYPE = "token"
+_key("VIT.CLASSIFIER_TYPE", "token", choices=["token", "pooled"])
 
 # pycls_fast: token tensor layout inside the encoder, 'batch_second' (seq, batch,
 # hidden) or 'batch_first' (batch, seq, hidden); both give identical outputs
-_C.VIT.LAYOUT = "batch_second"
+_key("VIT.LAYOUT", "batch_second", choices=["batch_second", "batch_first"])
 
 # pycls_fast: attention kernel, 'auto' (fastest measured for the device and dtype),
 # 'sdpa' (torch scaled_dot_product_attention, backend picked by torch), 'sdpa_flash',
 # 'sdpa_math', 'sdpa_efficient', 'sdpa_cudnn' (one SDPA backend) or 'explicit'
 # (matmul, softmax, matmul)
-_C.VIT.ATTENTION = "auto"
+_key(
+    "VIT.ATTENTION",
+    "auto",
+    choices=[
+        "auto",
+        "sdpa",
+        "sdpa_flash",
+        "sdpa_math",
+        "sdpa_efficient",
+        "sdpa_cudnn",
+        "explicit",
+    ],
+)
 
 # pycls_fast: stochastic depth rate of the last block (linearly increasing from 0)
-_C.VIT.DROP_PATH = 0.0
+_key("VIT.DROP_PATH", 0.0, ge=0, lt=1)
 
 
 # -------------------------------- Batch norm options -------------------------------- #
 _C.BN = CfgNode()
 
 # BN epsilon (used by the conv stem)
-_C.BN.EPS = 1e-5
+_key("BN.EPS", 1e-5, gt=0)
 
 # BN momentum (BN momentum in PyTorch = 1 - BN momentum in Caffe2)
-_C.BN.MOM = 0.1
+_key("BN.MOM", 0.1)
 
 # Precise BN stats (pycls; ViT has no BN outside the conv stem)
-_C.BN.USE_PRECISE_STATS = False
+_key("BN.USE_PRECISE_STATS", False)
 
 # Number of samples for precise BN stats
-_C.BN.NUM_SAMPLES_PRECISE = 8192
+_key("BN.NUM_SAMPLES_PRECISE", 8192)
 
 # Initialize the gamma of the final BN of each block to zero (pycls; unused by ViT)
-_C.BN.ZERO_INIT_FINAL_GAMMA = False
+_key("BN.ZERO_INIT_FINAL_GAMMA", False)
 
 # Use a different weight decay for BN layers
-_C.BN.USE_CUSTOM_WEIGHT_DECAY = False
+_key("BN.USE_CUSTOM_WEIGHT_DECAY", False)
 
 # The weight decay for BN layers when USE_CUSTOM_WEIGHT_DECAY is on
-_C.BN.CUSTOM_WEIGHT_DECAY = 0.0
+_key("BN.CUSTOM_WEIGHT_DECAY", 0.0)
 
 
 # -------------------------------- Layer norm options -------------------------------- #
 _C.LN = CfgNode()
 
 # LayerNorm epsilon (timm's ViT uses 1e-6)
-_C.LN.EPS = 1e-5
+_key("LN.EPS", 1e-5, gt=0)
 
 # Use a different weight decay for LN layers
-_C.LN.USE_CUSTOM_WEIGHT_DECAY = False
+_key("LN.USE_CUSTOM_WEIGHT_DECAY", False)
 
 # The weight decay for LN layers when USE_CUSTOM_WEIGHT_DECAY is on
-_C.LN.CUSTOM_WEIGHT_DECAY = 0.0
+_key("LN.CUSTOM_WEIGHT_DECAY", 0.0)
 
 
 # -------------------------------- Optimizer options --------------------------------- #
 _C.OPTIM = CfgNode()
 
 # Optimizer: 'sgd', 'adam', 'adamw' or 'lamb'
-_C.OPTIM.OPTIMIZER = "sgd"
+_key("OPTIM.OPTIMIZER", "sgd", choices=["sgd", "adam", "adamw", "lamb"])
 
 # Base learning rate
-_C.OPTIM.BASE_LR = 0.1
+_key("OPTIM.BASE_LR", 0.1, ge=0)
 
 # The learning rate decays from BASE_LR to MIN_LR * BASE_LR according to LR_POLICY
-_C.OPTIM.MIN_LR = 0.0
+_key("OPTIM.MIN_LR", 0.0, ge=0)
 
 # Learning rate policy: 'cos', 'exp', 'lin' or 'steps'
-_C.OPTIM.LR_POLICY = "cos"
+_key("OPTIM.LR_POLICY", "cos", choices=["cos", "exp", "lin", "steps"])
 
 # Steps for the 'steps' policy, in epochs (the first must be 0)
-_C.OPTIM.STEPS = []
+_key("OPTIM.STEPS", [], check=_steps_from_zero, rule="[] or a list starting at 0")
 
 # Learning rate multiplier for the 'steps' policy
-_C.OPTIM.LR_MULT = 0.1
+_key("OPTIM.LR_MULT", 0.1)
 
 # Exponential decay factor (older pycls configs; 'exp' now decays to MIN_LR)
-_C.OPTIM.GAMMA = 0.1
+_key("OPTIM.GAMMA", 0.1)
 
 # Maximal number of epochs
-_C.OPTIM.MAX_EPOCH = 200
+_key("OPTIM.MAX_EPOCH", 200, gt=0)
 
 # Momentum (sgd)
-_C.OPTIM.MOMENTUM = 0.9
+_key("OPTIM.MOMENTUM", 0.9)
 
 # Momentum dampening (sgd)
-_C.OPTIM.DAMPENING = 0.0
+_key("OPTIM.DAMPENING", 0.0)
 
 # Nesterov momentum (sgd)
-_C.OPTIM.NESTEROV = True
+_key("OPTIM.NESTEROV", True)
 
 # Beta1 (adam, adamw, lamb)
-_C.OPTIM.BETA1 = 0.9
+_key("OPTIM.BETA1", 0.9)
 
 # Beta2 (adam, adamw, lamb)
-_C.OPTIM.BETA2 = 0.999
+_key("OPTIM.BETA2", 0.999)
 
 # Weight decay (L2 for sgd/adam, decoupled for adamw/lamb)
-_C.OPTIM.WEIGHT_DECAY = 5e-4
+_key("OPTIM.WEIGHT_DECAY", 5e-4, ge=0)
 
 # Use a different weight decay for all biases (excluding those in BN/LN layers)
-_C.OPTIM.BIAS_USE_CUSTOM_WEIGHT_DECAY = False
+_key("OPTIM.BIAS_USE_CUSTOM_WEIGHT_DECAY", False)
 
 # The weight decay for biases when BIAS_USE_CUSTOM_WEIGHT_DECAY is on
-_C.OPTIM.BIAS_CUSTOM_WEIGHT_DECAY = 0.0
+_key("OPTIM.BIAS_CUSTOM_WEIGHT_DECAY", 0.0)
 
 # Start the warm up from BASE_LR * WARMUP_FACTOR
-_C.OPTIM.WARMUP_FACTOR = 0.1
+_key("OPTIM.WARMUP_FACTOR", 0.1)
 
 # Gradually warm up to BASE_LR over this number of epochs
-_C.OPTIM.WARMUP_EPOCHS = 0
+_key("OPTIM.WARMUP_EPOCHS", 0, ge=0)
 
 # Exponential moving average (EMA) of the weights, update value (0 turns EMA off)
-_C.OPTIM.EMA_ALPHA = 1e-5
+_key("OPTIM.EMA_ALPHA", 1e-5, ge=0)
 
 # Iteration period with which to update the EMA weights
-_C.OPTIM.EMA_UPDATE_PERIOD = 32
+_key("OPTIM.EMA_UPDATE_PERIOD", 32, gt=0)
 
 # Multi-tensor-apply optimizer updates (torch foreach / fused) instead of a loop
-_C.OPTIM.MTA = False
+_key("OPTIM.MTA", False)
 
 # pycls_fast: clip the global gradient norm to this value (0 turns clipping off)
-_C.OPTIM.GRAD_CLIP = 0.0
+_key("OPTIM.GRAD_CLIP", 0.0, ge=0)
 
 # pycls_fast: update the learning rate every iteration (False: once per epoch, as pycls)
-_C.OPTIM.LR_PER_ITER = True
+_key("OPTIM.LR_PER_ITER", True)
 
 
 # --------------------------------- Training options --------------------------------- #
 _C.TRAIN = CfgNode()
 
 # Dataset name (pycls; pycls_fast reads images from DATA.PATH)
-_C.TRAIN.DATASET = "imagenet"
+_key("TRAIN.DATASET", "imagenet")
 
 # Split (folder under DATA.PATH) to train on
-_C.TRAIN.SPLIT = "train"
+_key("TRAIN.SPLIT", "train")
 
 # Total mini-batch size, over all processes
-_C.TRAIN.BATCH_SIZE = 128
+_key("TRAIN.BATCH_SIZE", 128, gt=0)
 
 # Training image size (random-resized-crop output; the model's input size)
-_C.TRAIN.IM_SIZE = 224
+_key("TRAIN.IM_SIZE", 224, gt=0)
 
 # Evaluate the model every this many epochs
-_C.TRAIN.EVAL_PERIOD = 1
+_key("TRAIN.EVAL_PERIOD", 1, gt=0)
 
 # Save a checkpoint every this many epochs
-_C.TRAIN.CHECKPOINT_PERIOD = 1
+_key("TRAIN.CHECKPOINT_PERIOD", 1, gt=0)
 
 # pycls_fast: also save a checkpoint every this many iterations (0: only per epoch)
-_C.TRAIN.CHECKPOINT_ITER_PERIOD = 0
+_key("TRAIN.CHECKPOINT_ITER_PERIOD", 0, ge=0)
 
 # Resume training from the newest complete checkpoint in OUT_DIR
-_C.TRAIN.AUTO_RESUME = True
+_key("TRAIN.AUTO_RESUME", True)
 
 # Weights to start training from
-_C.TRAIN.WEIGHTS = ""
+_key("TRAIN.WEIGHTS", "")
 
-# Train with mixed precision (autocast, fp32 weights): AMP mode O1 unless AMP.MODE set
-_C.TRAIN.MIXED_PRECISION = False
+# Train with mixed precision (pycls): an alias of AMP.MODE 'O1' (autocast, fp32
+# weights), used only when AMP.MODE is not set (see AMP.MODE)
+_key("TRAIN.MIXED_PRECISION", False)
 
 # Label smoothing value in 0 to 1 (0 gives no smoothing)
-_C.TRAIN.LABEL_SMOOTHING = 0.0
+_key("TRAIN.LABEL_SMOOTHING", 0.0, ge=0, lt=1)
 
 # Batch mixup alpha (0 gives no mixup)
-_C.TRAIN.MIXUP_ALPHA = 0.0
+_key("TRAIN.MIXUP_ALPHA", 0.0, ge=0)
 
 # Batch cutmix alpha (0 gives no cutmix)
-_C.TRAIN.CUTMIX_ALPHA = 0.0
+_key("TRAIN.CUTMIX_ALPHA", 0.0, ge=0)
 
 # Standard deviation of AlexNet-style PCA lighting jitter (0 gives none)
-_C.TRAIN.PCA_STD = 0.1
+_key("TRAIN.PCA_STD", 0.1, ge=0)
 
 # Data augmentation ('', 'AutoAugment', 'RandAugment_N2_M0.5', ...)
-_C.TRAIN.AUGMENT = ""
+_key("TRAIN.AUGMENT", "")
 
 
 # --------------------------------- Testing options ---------------------------------- #
 _C.TEST = CfgNode()
 
 # Dataset name (pycls; pycls_fast reads images from DATA.PATH)
-_C.TEST.DATASET = "imagenet"
+_key("TEST.DATASET", "imagenet")
 
 # Split (folder under DATA.PATH) to evaluate on
-_C.TEST.SPLIT = "val"
+_key("TEST.SPLIT", "val")
 
 # Total mini-batch size, over all processes
-_C.TEST.BATCH_SIZE = 200
+_key("TEST.BATCH_SIZE", 200, gt=0)
 
 # Resize the shorter side to this size, then center-crop TRAIN.IM_SIZE (pycls)
-_C.TEST.IM_SIZE = 256
+_key("TEST.IM_SIZE", 256, gt=0)
 
 # Weights to evaluate
-_C.TEST.WEIGHTS = ""
+_key("TEST.WEIGHTS", "")
 
 # pycls_fast: evaluate the EMA weights of TEST.WEIGHTS when the checkpoint has them
-_C.TEST.USE_EMA = False
+_key("TEST.USE_EMA", False)
 
 
 # ----------------------------------- Data options ----------------------------------- #
@@ -418,64 +537,74 @@ _C.TEST.USE_EMA = False
 _C.DATA = CfgNode()
 
 # Dataset root: one folder per split (TRAIN.SPLIT, TEST.SPLIT), one folder per class
-_C.DATA.PATH = ""
+_key("DATA.PATH", "")
 
 # pycls_fast: random-resized-crop area range, as fractions of the image (timm's scale)
-_C.DATA.CROP_SCALE = [0.08, 1.0]
+_key("DATA.CROP_SCALE", [0.08, 1.0], check=_crop_range, rule="[min, max] in (0, 1]")
 
 # pycls_fast: probability of a horizontal flip of a train image
-_C.DATA.HFLIP = 0.5
+_key("DATA.HFLIP", 0.5, ge=0, le=1)
 
 # Cache each split's file index in OUT_DIR/data_index (rescanned when a folder changes)
-_C.DATA.INDEX_CACHE = True
+_key("DATA.INDEX_CACHE", True)
 
 
 # ------------------------------- Data loader options -------------------------------- #
 _C.DATA_LOADER = CfgNode()
 
 # Number of decoding threads ('threads', 'spdl' modes) or worker processes ('processes')
-_C.DATA_LOADER.NUM_WORKERS = 8
+_key("DATA_LOADER.NUM_WORKERS", 8, ge=0)
 
 # Load data to pinned host memory (applies when training on a GPU)
-_C.DATA_LOADER.PIN_MEMORY = True
+_key("DATA_LOADER.PIN_MEMORY", True)
 
 # pycls_fast: 'threads' (in-process decoding threads), 'spdl' (the same in an
-# spdl.pipeline) or 'processes' (torch DataLoader)
-_C.DATA_LOADER.MODE = "threads"
+# spdl.pipeline) or 'processes' (torch DataLoader); pycls's 'pytorch' loads as
+# 'processes', its 'ffcv' is refused (not implemented)
+_key(
+    "DATA_LOADER.MODE",
+    "threads",
+    choices=["threads", "spdl", "processes", "pytorch", "ffcv"],
+)
 
 # pycls_fast: abort when more than this fraction of images fail to decode
-_C.DATA_LOADER.MAX_BAD_FRAC = 0.01
+_key("DATA_LOADER.MAX_BAD_FRAC", 0.01, ge=0, lt=1)
 
 # pycls_fast: batches decoded or being decoded ahead of the training step, per process
 # (at least one per worker plus one)
-_C.DATA_LOADER.PREFETCH = 4
+_key("DATA_LOADER.PREFETCH", 4, gt=0)
 
 # pycls_fast: log decoding throughput, task time and queue occupancy every this many
 # seconds ('threads' mode: logger pycls_fast.datasets.threaded; 'spdl' mode: logger
 # spdl.pipeline; 0 turns it off)
-_C.DATA_LOADER.STATS_PERIOD = 0.0
+_key("DATA_LOADER.STATS_PERIOD", 0.0, ge=0)
 
 
 # ------------------------------ Mixed precision options ----------------------------- #
 # pycls_fast: automatic mixed precision modes.
 _C.AMP = CfgNode()
 
-# '' (follow TRAIN.MIXED_PRECISION), 'fp32', 'O1' (autocast, fp32 weights), 'O2' (half
-# weights, fp32 master weights in the optimizer), 'O3' (everything in half precision)
-_C.AMP.MODE = ""
+# The precision switch: 'fp32', 'O1' (autocast, fp32 weights), 'O2' (half weights,
+# fp32 master weights in the optimizer), 'O3' (everything in half precision). Set in
+# the file or an override, it always wins over pycls's aliases; left '' (unset), it
+# follows them: 'O2' when FSDP.ENABLED and FSDP.MIXED_PRECISION, else 'O1' when
+# TRAIN.MIXED_PRECISION, else 'fp32'. A loaded config holds the resolved mode
+_key("AMP.MODE", "", choices=["", "fp32", "O1", "O2", "O3"])
 
 # Half-precision type: 'bf16' or 'fp16' (fp16 uses dynamic loss scaling)
-_C.AMP.DTYPE = "bf16"
+_key("AMP.DTYPE", "bf16", choices=["bf16", "fp16"])
 
-# Keep LayerNorm weights and compute in fp32 under O2
-_C.AMP.LAYER_NORM_FP32 = True
+# Keep LayerNorm (and the conv stem's BatchNorm) weights and compute in fp32 under
+# O2, with or without FSDP. Unset in the file and the overrides, it follows pycls's
+# FSDP.LAYER_NORM_FP32
+_key("AMP.LAYER_NORM_FP32", True)
 
 
 # ---------------------------------- CUDNN options ----------------------------------- #
 _C.CUDNN = CfgNode()
 
 # Let cuDNN benchmark convolution algorithms (GPU only; best for fixed input sizes)
-_C.CUDNN.BENCHMARK = True
+_key("CUDNN.BENCHMARK", True)
 
 
 # ---------------------------------- Memory options ---------------------------------- #
@@ -483,76 +612,79 @@ _C.CUDNN.BENCHMARK = True
 _C.MEM = CfgNode()
 
 # Perform ReLU inplace (older pycls; see MODEL.ACTIVATION_INPLACE)
-_C.MEM.RELU_INPLACE = True
+_key("MEM.RELU_INPLACE", True)
 
 
 # ------------------------------- Precise time options ------------------------------- #
 _C.PREC_TIME = CfgNode()
 
 # Number of iterations to warm up the caches before timing
-_C.PREC_TIME.WARMUP_ITER = 3
+_key("PREC_TIME.WARMUP_ITER", 3, ge=0)
 
 # Number of iterations to average the time over
-_C.PREC_TIME.NUM_ITER = 30
+_key("PREC_TIME.NUM_ITER", 30, gt=0)
 
 
 # ---------------------------------- Launch options ---------------------------------- #
-# pycls's launcher keys; 'local' spawns NUM_GPUS processes, the SLURM keys are accepted
-# and documented in docs/DISTRIBUTED.md (GPU cluster only).
+# pycls's launcher keys; 'local' spawns NUM_GPUS processes. The SLURM keys are accepted
+# and ignored: pycls_fast submits no jobs (docs/DISTRIBUTED.md shows a batch script).
 _C.LAUNCH = CfgNode()
 
-# Launch mode: 'local', 'slurm' or 'submitit_local'
-_C.LAUNCH.MODE = "local"
+# Launch mode: only 'local' is implemented; pycls's 'slurm' and 'submitit_local' load
+# but are refused when a tool starts the job (submit with sbatch + torchrun instead)
+_key("LAUNCH.MODE", "local", choices=["local", "slurm", "submitit_local"])
 
 # Maximum number of retries of a preempted SLURM job (GPU cluster only)
-_C.LAUNCH.MAX_RETRY = 3
+_key("LAUNCH.MAX_RETRY", 3)
 
 # SLURM job name (GPU cluster only)
-_C.LAUNCH.NAME = "pycls_fast_job"
+_key("LAUNCH.NAME", "pycls_fast_job")
 
 # SLURM job comment (GPU cluster only)
-_C.LAUNCH.COMMENT = ""
+_key("LAUNCH.COMMENT", "")
 
 # CPUs per GPU requested from SLURM (GPU cluster only)
-_C.LAUNCH.CPUS_PER_GPU = 10
+_key("LAUNCH.CPUS_PER_GPU", 10)
 
 # Memory per GPU in GB requested from SLURM (GPU cluster only)
-_C.LAUNCH.MEM_PER_GPU = 60
+_key("LAUNCH.MEM_PER_GPU", 60)
 
 # SLURM partition (GPU cluster only)
-_C.LAUNCH.PARTITION = "devlab"
+_key("LAUNCH.PARTITION", "devlab")
 
 # SLURM GPU type constraint (GPU cluster only)
-_C.LAUNCH.GPU_TYPE = "volta"
+_key("LAUNCH.GPU_TYPE", "volta")
 
 # SLURM time limit in minutes (GPU cluster only)
-_C.LAUNCH.TIME_LIMIT = 4200
+_key("LAUNCH.TIME_LIMIT", 4200)
 
 # Email for SLURM notifications (GPU cluster only)
-_C.LAUNCH.EMAIL = ""
+_key("LAUNCH.EMAIL", "")
 
 
 # ----------------------------------- FSDP options ----------------------------------- #
 _C.FSDP = CfgNode()
 
 # Shard parameters, gradients and optimizer state across processes (torch fully_shard)
-_C.FSDP.ENABLED = False
+_key("FSDP.ENABLED", False)
 
-# Free the gathered parameters after forward (saves memory, costs communication)
-_C.FSDP.RESHARD_AFTER_FW = True
+# Free the gathered parameters after forward (saves memory, costs communication).
+# Unset in the file and the overrides, it follows pycls's DO_NOT_RESHARD_AFTER_FW
+_key("FSDP.RESHARD_AFTER_FW", True)
 
-# Keep LayerNorm parameters and compute in fp32 under mixed precision
-_C.FSDP.LAYER_NORM_FP32 = True
+# pycls's alias of AMP.LAYER_NORM_FP32, used only when that is not set
+_key("FSDP.LAYER_NORM_FP32", True)
 
-# Older pycls FSDP key: the inverse of RESHARD_AFTER_FW (True overrides it)
-_C.FSDP.DO_NOT_RESHARD_AFTER_FW = False
+# Older pycls FSDP key: the inverse of RESHARD_AFTER_FW, used only when that is not set
+_key("FSDP.DO_NOT_RESHARD_AFTER_FW", False)
 
-# Older pycls FSDP key: half-precision FSDP compute (the AMP mode decides in pycls_fast)
-_C.FSDP.MIXED_PRECISION = False
+# Older pycls FSDP key: half-precision FSDP compute, an alias of AMP.MODE 'O2' (with
+# FSDP.ENABLED) used only when AMP.MODE is not set
+_key("FSDP.MIXED_PRECISION", False)
 
 # pycls_fast: recompute each encoder block's activations in backward (saves memory);
 # also without FSDP
-_C.FSDP.ACTIVATION_CHECKPOINT = False
+_key("FSDP.ACTIVATION_CHECKPOINT", False)
 
 
 # ------------------------------- Distributed options -------------------------------- #
@@ -561,68 +693,151 @@ _C.DIST = CfgNode()
 
 # Seconds a collective may wait for the other ranks before the job stops with an error
 # (a rank that died or hangs never stalls the others for longer)
-_C.DIST.TIMEOUT_S = 600
+_key("DIST.TIMEOUT_S", 600, gt=0)
 
 
 # ----------------------------------- Misc options ----------------------------------- #
 # Optional description of a config
-_C.DESC = ""
+_key("DESC", "")
 
 # If True output additional info to the log
-_C.VERBOSE = True
+_key("VERBOSE", True)
 
 # Number of processes (devices) to use; outside torchrun, N local processes are spawned
-_C.NUM_GPUS = 1
+_key("NUM_GPUS", 1, gt=0)
 
 # Maximum number of GPUs per node (pycls; used to split NUM_GPUS across SLURM nodes)
-_C.MAX_GPUS_PER_NODE = 8
+_key("MAX_GPUS_PER_NODE", 8)
 
 # Output directory (logs, checkpoints, config.yaml)
-_C.OUT_DIR = "/tmp/pycls_fast"
+_key("OUT_DIR", "/tmp/pycls_fast")
 
 # Config destination (in OUT_DIR)
-_C.CFG_DEST = "config.yaml"
+_key("CFG_DEST", "config.yaml")
 
 # Random seed (CPU runs are deterministic; GPU kernels may not be)
-_C.RNG_SEED = 1
+_key("RNG_SEED", 1)
 
 # Log destination: 'stdout' (stdout and OUT_DIR/stdout.log) or 'file' (only the file)
-_C.LOG_DEST = "stdout"
+_key("LOG_DEST", "stdout", choices=["stdout", "file"])
 
 # Log period in iterations
-_C.LOG_PERIOD = 10
+_key("LOG_PERIOD", 10, gt=0)
 
 # Distributed backend ('nccl' on GPUs; CPU runs always use 'gloo')
-_C.DIST_BACKEND = "nccl"
+_key("DIST_BACKEND", "nccl")
 
 # Hostname for multi-process groups outside torchrun
-_C.HOST = "localhost"
+_key("HOST", "localhost")
 
 # Port range for multi-process groups (the port is picked at random)
-_C.PORT_RANGE = [10000, 65000]
+_key("PORT_RANGE", [10000, 65000])
 
 # Fixed port (older pycls configs; 0 means pick one from PORT_RANGE)
-_C.PORT = 0
+_key("PORT", 0)
 
 # Local cache for weights referred to by URL (pycls; pycls_fast never downloads)
-_C.DOWNLOAD_CACHE = "/tmp/pycls-download-cache"
+_key("DOWNLOAD_CACHE", "/tmp/pycls-download-cache")
 
 
-# Keys that older pycls versions had and that mean nothing now: accepted, ignored.
+# ----------------------------- Accepted, not acted on ------------------------------ #
+# Every key that loads for pycls compatibility but that nothing in pycls_fast reads,
+# with the reason; a node stands for all of its keys. A non-default value logs one
+# warning per key and process, naming it, unless a rule of `_REFUSALS` refuses it.
+# (tests/test_config.py checks that no module reads these keys.)
+IGNORED: dict[str, str] = {
+    "MODEL.DEPTH": "pycls's CNN depth; ViT reads VIT.NUM_LAYERS",
+    "MODEL.ACTIVATION_FUN": "the conv stem uses relu and the MLP gelu",
+    "MODEL.SCALING_TYPE": "pycls's model scaling tool",
+    "MODEL.SCALING_FACTOR": "pycls's model scaling tool",
+    "RESNET": "pycls's ResNet family; pycls_fast builds ViT only",
+    "ANYNET": "pycls's AnyNet family; pycls_fast builds ViT only",
+    "REGNET": "pycls's RegNet family; pycls_fast builds ViT only",
+    "EN": "pycls's EfficientNet family; pycls_fast builds ViT only",
+    "BN.USE_PRECISE_STATS": "BN statistics are never recomputed before evaluation",
+    "BN.NUM_SAMPLES_PRECISE": "BN statistics are never recomputed before evaluation",
+    "BN.ZERO_INIT_FINAL_GAMMA": "ViT blocks have no BN",
+    "OPTIM.GAMMA": "older pycls's 'exp' factor; 'exp' decays to OPTIM.MIN_LR",
+    "TRAIN.DATASET": "images are read from DATA.PATH/TRAIN.SPLIT",
+    "TEST.DATASET": "images are read from DATA.PATH/TEST.SPLIT",
+    "MEM.RELU_INPLACE": "older pycls; MODEL.ACTIVATION_INPLACE is read",
+    "LAUNCH": "pycls_fast submits no jobs; it launches locally or under torchrun",
+    "MAX_GPUS_PER_NODE": "only SLURM launching used it",
+    "VERBOSE": "the log is the same either way",
+    "DOWNLOAD_CACHE": "pycls_fast never downloads weights",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refusal:
+    """A value pycls_fast does not implement: `refused(cfg)` says whether `cfg` asks
+    for it; `at_launch` rules apply when a tool starts the job (`check_launch`), the
+    others when the config is loaded (loading for inspection must still work)."""
+
+    key: str
+    refused: Callable[[CfgNode], bool]
+    instead: str
+    doc: str  # the refused values, for docs/CONFIG.md
+    at_launch: bool = False
+
+
+# The values of keys whose silent ignoring would run something other than what the
+# config asks for: refused (exit status 2) until they are implemented.
+_REFUSALS = [
+    _Refusal(
+        "LAUNCH.MODE",
+        lambda c: c.LAUNCH.MODE != "local",
+        "it would run locally; set LAUNCH.MODE local and submit the job with sbatch "
+        "+ torchrun (docs/DISTRIBUTED.md)",
+        "refused: all but 'local' (when a tool starts the job)",
+        at_launch=True,
+    ),
+    _Refusal(
+        "MODEL.ACTIVATION_FUN",
+        lambda c: c.MODEL.ACTIVATION_FUN.lower() != "relu",
+        "the conv stem uses relu",
+        "refused: all but 'relu'",
+    ),
+    _Refusal(
+        "BN.USE_PRECISE_STATS",
+        lambda c: c.BN.USE_PRECISE_STATS,
+        "BN statistics are not recomputed before evaluation; set it False",
+        "refused: True",
+    ),
+    _Refusal(
+        "OPTIM.GAMMA",
+        lambda c: c.OPTIM.LR_POLICY == "exp" and c.OPTIM.GAMMA != _DEFAULTS.OPTIM.GAMMA,
+        "'exp' decays from BASE_LR to MIN_LR * BASE_LR over MAX_EPOCH; set "
+        "OPTIM.MIN_LR (GAMMA ** MAX_EPOCH) instead",
+        "refused: a non-default value with LR_POLICY 'exp'",
+    ),
+    _Refusal(
+        "DATA_LOADER.MODE",
+        lambda c: c.DATA_LOADER.MODE == "ffcv",
+        "use 'threads' (the default), 'spdl' or 'processes'",
+        "refused: 'ffcv'",
+    ),
+]
+
+# Keys that older pycls versions had and that mean nothing now: dropped when read.
 _DEPRECATED_KEYS = {"PREC_TIME.BATCH_SIZE", "PREC_TIME.ENABLED"}
 
 _DEFAULTS = _C.clone()
 _DEFAULTS.freeze()
 
+# Where a loaded config keeps the keys its file and overrides set (yacs keeps its own
+# flags in a CfgNode's __dict__ the same way; clone and pickle carry them).
+_EXPLICIT = "__explicit_keys__"
 
-def get_cfg():
-    """Returns a fresh, mutable copy of the default config."""
+
+def get_cfg() -> CfgNode:
+    """Returns a fresh, mutable copy of the default config (not checked)."""
     cfg = _DEFAULTS.clone()
     cfg.defrost()
     return cfg
 
 
-def _flat_keys(node, prefix=""):
+def _flat_keys(node: CfgNode, prefix: str = "") -> list[str]:
     keys = []
     for k, v in node.items():
         full = f"{prefix}{k}"
@@ -630,12 +845,19 @@ def _flat_keys(node, prefix=""):
     return keys
 
 
-def _suggest(name, choices):
-    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+def ignored_keys() -> list[str]:
+    """Every key of `IGNORED`, nodes expanded to their keys, in declaration order."""
+    return [
+        k for k in _flat_keys(_DEFAULTS) if k in IGNORED or k.split(".")[0] in IGNORED
+    ]
+
+
+def _suggest(name: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _coerce(key, value, default):
+def _coerce(key: str, value: Any, default: Any) -> Any:
     """Returns `value` with the type of `default`, or raises ConfigError."""
     if isinstance(value, str) and not isinstance(default, str):
         # Command-line overrides arrive as strings: parse them as Python literals.
@@ -670,7 +892,10 @@ def _coerce(key, value, default):
     raise ConfigError(f"config key {key}: expected {want}, got {value!r}")
 
 
-def _merge(cfg, src, prefix=""):
+def _merge(cfg: CfgNode, src: Mapping, prefix: str = "") -> set[str]:
+    """Merges the nested mapping `src` into `cfg`, checked key by key; returns the
+    dotted keys it set."""
+    done = set()
     for k, v in src.items():
         key = f"{prefix}{k}"
         if key in _DEPRECATED_KEYS:
@@ -685,13 +910,16 @@ def _merge(cfg, src, prefix=""):
         if isinstance(cfg[k], CfgNode):
             if not isinstance(v, dict):
                 raise ConfigError(f"config key {key}: expected a section, got {v!r}")
-            _merge(cfg[k], v, key + ".")
+            done |= _merge(cfg[k], v, key + ".")
         else:
             cfg[k] = _coerce(key, v, cfg[k])
+            done.add(key)
+    return done
 
 
-def merge_from_file(cfg, path):
-    """Merges the YAML file at `path` into `cfg` (checked key by key)."""
+def merge_from_file(cfg: CfgNode, path: str) -> set[str]:
+    """Merges the YAML file at `path` (and its `_BASE_` files) into the mutable `cfg`,
+    checked key by key; returns the dotted keys the files set."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     try:
@@ -702,129 +930,112 @@ def merge_from_file(cfg, path):
         raise ConfigError(f"config file {path} is not valid YAML: {first}") from None
     if not isinstance(src, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys")
+    done = set()
     if "_BASE_" in src:
         base = os.path.join(os.path.dirname(path), src.pop("_BASE_"))
-        merge_from_file(cfg, base)
-    _merge(cfg, src)
+        done |= merge_from_file(cfg, base)
+    return done | _merge(cfg, src)
 
 
-def merge_from_list(cfg, opts):
-    """Merges command-line overrides `[KEY, VALUE, KEY, VALUE, ...]` into `cfg`."""
+def _nest(key: str, value: Any) -> dict:
+    node: dict = {}
+    cursor = node
+    parts = key.split(".")
+    for p in parts[:-1]:
+        cursor = cursor.setdefault(p, {})
+    cursor[parts[-1]] = value
+    return node
+
+
+def merge_from_list(cfg: CfgNode, opts: Sequence[str]) -> set[str]:
+    """Merges command-line overrides `[KEY, VALUE, KEY, VALUE, ...]` into the mutable
+    `cfg` (values parsed as Python literals); returns the keys they set."""
     if len(opts) % 2:
         raise ConfigError(f"overrides come in KEY VALUE pairs; got {opts[-1]!r} alone")
+    done = set()
     for key, value in zip(opts[0::2], opts[1::2]):
-        node = {}
-        cursor = node
-        parts = key.split(".")
-        for p in parts[:-1]:
-            cursor = cursor.setdefault(p, {})
-        cursor[parts[-1]] = value
-        _merge(cfg, node)
+        done |= _merge(cfg, _nest(key, value))
+    return done
 
 
-_CHOICES = {
-    "MODEL.TYPE": ["vit"],
-    "MODEL.LOSS_FUN": ["cross_entropy"],
-    "VIT.STEM_TYPE": ["patchify", "conv"],
-    "VIT.CLASSIFIER_TYPE": ["token", "pooled"],
-    "VIT.LAYOUT": ["batch_second", "batch_first"],
-    "VIT.ATTENTION": [
-        "auto",
-        "sdpa",
-        "sdpa_flash",
-        "sdpa_math",
-        "sdpa_efficient",
-        "sdpa_cudnn",
-        "explicit",
-    ],
-    "OPTIM.OPTIMIZER": ["sgd", "adam", "adamw", "lamb"],
-    "OPTIM.LR_POLICY": ["cos", "exp", "lin", "steps"],
-    "AMP.MODE": ["", "fp32", "O1", "O2", "O3"],
-    "AMP.DTYPE": ["bf16", "fp16"],
-    "DATA_LOADER.MODE": ["threads", "spdl", "processes"],
-    "LOG_DEST": ["stdout", "file"],
-    "LAUNCH.MODE": ["local", "slurm", "submitit_local"],
-}
-
-_POSITIVE = [
-    "MODEL.NUM_CLASSES",
-    "VIT.PATCH_SIZE",
-    "VIT.NUM_LAYERS",
-    "VIT.NUM_HEADS",
-    "VIT.HIDDEN_DIM",
-    "VIT.MLP_DIM",
-    "OPTIM.MAX_EPOCH",
-    "OPTIM.EMA_UPDATE_PERIOD",
-    "TRAIN.BATCH_SIZE",
-    "TRAIN.IM_SIZE",
-    "TRAIN.EVAL_PERIOD",
-    "TRAIN.CHECKPOINT_PERIOD",
-    "TEST.BATCH_SIZE",
-    "TEST.IM_SIZE",
-    "DATA_LOADER.PREFETCH",
-    "NUM_GPUS",
-    "LOG_PERIOD",
-    "PREC_TIME.NUM_ITER",
-    "DIST.TIMEOUT_S",
-    "LN.EPS",
-    "BN.EPS",
-]
-
-_NON_NEGATIVE = [
-    "OPTIM.BASE_LR",
-    "OPTIM.MIN_LR",
-    "OPTIM.WEIGHT_DECAY",
-    "OPTIM.WARMUP_EPOCHS",
-    "OPTIM.EMA_ALPHA",
-    "OPTIM.GRAD_CLIP",
-    "TRAIN.MIXUP_ALPHA",
-    "TRAIN.CUTMIX_ALPHA",
-    "TRAIN.PCA_STD",
-    "DATA_LOADER.NUM_WORKERS",
-    "DATA_LOADER.STATS_PERIOD",
-    "PREC_TIME.WARMUP_ITER",
-    "TRAIN.CHECKPOINT_ITER_PERIOD",
-]
-
-_FRACTIONS = [
-    "TRAIN.LABEL_SMOOTHING",
-    "VIT.DROP_PATH",
-    "DATA_LOADER.MAX_BAD_FRAC",
-]
+def legacy_amp_mode(cfg: CfgNode) -> str:
+    """The AMP mode pycls's aliases ask for: 'O2' for FSDP.MIXED_PRECISION (with
+    FSDP.ENABLED), 'O1' for TRAIN.MIXED_PRECISION, else 'fp32'. AMP.MODE '' means
+    this; an AMP.MODE that is set wins over it."""
+    if cfg.FSDP.ENABLED and cfg.FSDP.MIXED_PRECISION:
+        return "O2"
+    return "O1" if cfg.TRAIN.MIXED_PRECISION else "fp32"
 
 
-def _get(cfg, key):
+def _warn_once(key: str, message: str) -> None:
+    """Logs `message` once per `key` and process (only on rank 0 under torchrun)."""
+    if key in _warned or os.environ.get("RANK", "0") != "0":
+        return
+    _warned.add(key)
+    logger.warning("warning: %s", message)
+
+
+_warned: set[str] = set()
+
+
+def _resolve_aliases(cfg: CfgNode, explicit: set[str]) -> None:
+    """Maps pycls's alias keys onto pycls_fast's one switch per concept, in place: an
+    alias decides only when its switch is not in `explicit` (the keys that the file
+    and the overrides set)."""
+    amp = cfg.AMP
+    if "AMP.MODE" not in explicit or not amp.MODE:
+        amp.MODE = legacy_amp_mode(cfg)
+    elif amp.MODE == "fp32" and legacy_amp_mode(cfg) != "fp32":
+        alias = "FSDP" if legacy_amp_mode(cfg) == "O2" else "TRAIN"
+        _warn_once(
+            "AMP.MODE",
+            f"AMP.MODE 'fp32' is set, so pycls's {alias}.MIXED_PRECISION True is "
+            "ignored: the precision is fp32",
+        )
+    if "AMP.LAYER_NORM_FP32" not in explicit:
+        amp.LAYER_NORM_FP32 = cfg.FSDP.LAYER_NORM_FP32
+    if "FSDP.RESHARD_AFTER_FW" not in explicit:
+        cfg.FSDP.RESHARD_AFTER_FW = not cfg.FSDP.DO_NOT_RESHARD_AFTER_FW
+    if cfg.DATA_LOADER.MODE == "pytorch":  # pycls's name for the torch DataLoader
+        cfg.DATA_LOADER.MODE = "processes"
+
+
+def _get(cfg: CfgNode, key: str) -> Any:
     for part in key.split("."):
         cfg = cfg[part]
     return cfg
 
 
-def check_cfg(cfg):
-    """Checks values and combinations; raises ConfigError naming the first bad key."""
-    for key, choices in _CHOICES.items():
-        value = _get(cfg, key)
-        if key == "MODEL.TYPE":
-            value = value.lower()
-        if value not in choices:
-            hint = _suggest(value, choices) if isinstance(value, str) else ""
-            raise ConfigError(f"{key} must be one of {choices}, got {value!r}{hint}")
-    for key in _POSITIVE:
-        if not _get(cfg, key) > 0:
-            raise ConfigError(f"{key} must be > 0, got {_get(cfg, key)!r}")
-    for key in _NON_NEGATIVE:
-        if _get(cfg, key) < 0:
-            raise ConfigError(f"{key} must be >= 0, got {_get(cfg, key)!r}")
-    for key in _FRACTIONS:
-        if not 0.0 <= _get(cfg, key) < 1.0:
-            raise ConfigError(f"{key} must be in [0, 1), got {_get(cfg, key)!r}")
+def refusals(key: str) -> list[str]:
+    """The refused values of `key` in words (docs/CONFIG.md's limits column)."""
+    return [r.doc for r in _REFUSALS if r.key == key]
+
+
+def _refuse(cfg: CfgNode, at_launch: bool) -> None:
+    for rule in _REFUSALS:
+        if rule.at_launch == at_launch and rule.refused(cfg):
+            value = _get(cfg, rule.key)
+            raise ConfigError(
+                f"{rule.key} {value!r} is not implemented in pycls_fast: {rule.instead}"
+            )
+
+
+def _warn_ignored(cfg: CfgNode) -> None:
+    launch_rules = {r.key for r in _REFUSALS if r.at_launch}
+    for key in ignored_keys():
+        if key not in launch_rules and _get(cfg, key) != _get(_DEFAULTS, key):
+            why = IGNORED.get(key) or IGNORED[key.split(".")[0]]
+            _warn_once(key, f"{key} is accepted for pycls but ignored ({why})")
+
+
+def check_cfg(cfg: CfgNode) -> None:
+    """Checks each key against its limits, the combinations of keys and the refused
+    values; raises ConfigError with one line naming the first bad key."""
+    for key, limit in LIMITS.items():
+        if message := limit.error(key, _get(cfg, key)):
+            raise ConfigError(message)
+    _refuse(cfg, at_launch=False)
     _check_vit(cfg.VIT, cfg.TRAIN.IM_SIZE)
-    lo_hi = cfg.DATA.CROP_SCALE
-    if len(lo_hi) != 2 or not 0.0 < lo_hi[0] <= lo_hi[1] <= 1.0:
-        raise ConfigError(f"DATA.CROP_SCALE must be [min, max] in (0, 1], got {lo_hi}")
-    if not 0.0 <= cfg.DATA.HFLIP <= 1.0:
-        raise ConfigError(f"DATA.HFLIP must be in [0, 1], got {cfg.DATA.HFLIP}")
-    if cfg.OPTIM.STEPS and cfg.OPTIM.STEPS[0] != 0:
-        raise ConfigError(f"OPTIM.STEPS must start at 0, got {cfg.OPTIM.STEPS}")
     if cfg.OPTIM.LR_POLICY == "steps" and not cfg.OPTIM.STEPS:
         raise ConfigError("OPTIM.STEPS must be set when OPTIM.LR_POLICY is 'steps'")
     for key in ("TRAIN.BATCH_SIZE", "TEST.BATCH_SIZE"):
@@ -833,13 +1044,16 @@ def check_cfg(cfg):
                 f"{key} ({_get(cfg, key)}) must be divisible by NUM_GPUS "
                 f"({cfg.NUM_GPUS})"
             )
-    if cfg.AMP.MODE == "fp32" and cfg.TRAIN.MIXED_PRECISION:
-        raise ConfigError(
-            "AMP.MODE is 'fp32' but TRAIN.MIXED_PRECISION is True: set one of them"
-        )
 
 
-def _check_vit(vit, im_size):
+def check_launch(cfg: CfgNode) -> None:
+    """Refuses, with a ConfigError naming the key, a config whose launch keys ask for
+    what pycls_fast does not implement (LAUNCH.MODE 'slurm'); the tools call it (via
+    core/launch.py) before any work starts."""
+    _refuse(cfg, at_launch=True)
+
+
+def _check_vit(vit: CfgNode, im_size: int) -> None:
     if im_size % vit.PATCH_SIZE:
         raise ConfigError(
             f"TRAIN.IM_SIZE ({im_size}) must be divisible by VIT.PATCH_SIZE "
@@ -874,20 +1088,44 @@ def _check_vit(vit, im_size):
         )
 
 
-def load_cfg(path=None, opts=()):
-    """Returns the default config merged with the file at `path` and `opts`, checked.
+def _finish(cfg: CfgNode, explicit: set[str]) -> CfgNode:
+    """Resolves the aliases, checks, warns about ignored keys and freezes `cfg`."""
+    _resolve_aliases(cfg, explicit)
+    check_cfg(cfg)
+    _warn_ignored(cfg)
+    cfg.__dict__[_EXPLICIT] = frozenset(explicit)
+    cfg.freeze()
+    return cfg
+
+
+def load_cfg(path: str | None = None, opts: Sequence[str] = ()) -> CfgNode:
+    """Returns the default config merged with the file at `path` and the `KEY VALUE`
+    overrides `opts`, with pycls's aliases resolved, checked and frozen.
 
     Raises ConfigError (a ValueError) with one line naming the bad key or file.
     """
     cfg = get_cfg()
-    if path:
-        merge_from_file(cfg, path)
-    merge_from_list(cfg, list(opts))
-    check_cfg(cfg)
-    return cfg
+    explicit = merge_from_file(cfg, path) if path else set()
+    explicit |= merge_from_list(cfg, list(opts))
+    return _finish(cfg, explicit)
 
 
-def dump_cfg(cfg, out_dir=None):
+def with_overrides(cfg: CfgNode, overrides: Mapping[str, Any]) -> CfgNode:
+    """Returns a new frozen, checked config: `cfg` with `overrides` ({dotted key:
+    value}) applied as if they had followed its overrides on the command line (the
+    same merge, alias rule and checks). `cfg` itself is left as it is.
+
+    This is the one way to adjust a loaded config (tools, the launcher, tests).
+    """
+    new = cfg.clone()
+    new.defrost()
+    explicit = set(cfg.__dict__.get(_EXPLICIT, ()))
+    for key, value in overrides.items():
+        explicit |= _merge(new, _nest(key, value))
+    return _finish(new, explicit)
+
+
+def dump_cfg(cfg: CfgNode, out_dir: str | None = None) -> str:
     """Writes `cfg` to OUT_DIR/CFG_DEST (atomically) and returns the path."""
     out_dir = out_dir or cfg.OUT_DIR
     os.makedirs(out_dir, exist_ok=True)

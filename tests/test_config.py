@@ -2,21 +2,29 @@
 
 import glob
 import os
+import re
 
 import pytest
 import yaml
 
+from pycls_fast import config
 from pycls_fast.config import (
+    IGNORED,
+    LIMITS,
     ConfigError,
     _flat_keys,
+    check_launch,
     dump_cfg,
     get_cfg,
+    ignored_keys,
     load_cfg,
+    with_overrides,
 )
 
 from .conftest import ROOT
 
 PYCLS_VIT = os.path.join(ROOT, "tests", "data", "pycls_vit_p_4gf.yaml")
+DIGITS = os.path.join(ROOT, "configs", "examples", "vit_digits.yaml")
 
 
 def test_get_cfg_returns_independent_copies():
@@ -32,6 +40,7 @@ def test_pycls_vit_config_loads_unchanged():
     assert pytest.approx(1e-6) == cfg.LN.EPS  # YAML 1.1 reads 1e-6 as a string
     assert cfg.OPTIM.BIAS_CUSTOM_WEIGHT_DECAY == 0.0
     assert cfg.TRAIN.MIXED_PRECISION is True
+    assert cfg.AMP.MODE == "O1"  # pycls's alias, AMP.MODE unset: the balanced mode
     assert cfg.LAUNCH.PARTITION == "learnlab"
     assert cfg.NUM_GPUS == 32
 
@@ -234,9 +243,17 @@ def test_base_inheritance(tmp_path):
         (["OPTIM.OPTIMIZER", "adamw2"], "did you mean 'adamw'?"),
         (["TRAIN.BATCH_SIZE", "0"], "TRAIN.BATCH_SIZE must be > 0"),
         (["TRAIN.LABEL_SMOOTHING", "1.5"], "TRAIN.LABEL_SMOOTHING must be in [0, 1)"),
-        (["OPTIM.STEPS", "[5, 10]"], "OPTIM.STEPS must start at 0"),
+        (["OPTIM.STEPS", "[5, 10]"], "OPTIM.STEPS must be [] or a list starting at 0"),
         (["NUM_GPUS", "3"], "TRAIN.BATCH_SIZE (128) must be divisible by NUM_GPUS"),
-        (["AMP.MODE", "fp32", "TRAIN.MIXED_PRECISION", "True"], "AMP.MODE is 'fp32'"),
+        (["DATA.CROP_SCALE", "[0.5, 0.2]"], "DATA.CROP_SCALE must be [min, max]"),
+        (["DATA.HFLIP", "1.5"], "DATA.HFLIP must be in [0, 1], got 1.5"),
+        (["MODEL.ACTIVATION_FUN", "silu"], "MODEL.ACTIVATION_FUN 'silu' is not impl"),
+        (["BN.USE_PRECISE_STATS", "True"], "BN.USE_PRECISE_STATS True is not impl"),
+        (["DATA_LOADER.MODE", "ffcv"], "DATA_LOADER.MODE 'ffcv' is not implemented"),
+        (
+            ["OPTIM.LR_POLICY", "exp", "OPTIM.GAMMA", "0.5"],
+            "OPTIM.GAMMA 0.5 is not implemented",
+        ),
         (["MODEL.TYPE", "resnet"], "MODEL.TYPE must be one of ['vit']"),
         (["VIT.PATCH_SIZE"], "KEY VALUE pairs"),
     ],
@@ -291,3 +308,162 @@ def test_dump_round_trip(tmp_path):
     assert again == cfg
     with open(path) as f:
         assert yaml.safe_load(f)["VIT"]["MLP_DIM"] == 1152
+
+
+def test_loaded_config_is_frozen_and_adjusted_by_with_overrides():
+    cfg = load_cfg(None, ["OPTIM.BASE_LR", "0.5"])
+    with pytest.raises(AttributeError):
+        cfg.OPTIM.BASE_LR = 1.0
+    two = with_overrides(cfg, {"NUM_GPUS": 2, "OPTIM.MAX_EPOCH": "7"})
+    assert (two.NUM_GPUS, two.OPTIM.MAX_EPOCH, two.OPTIM.BASE_LR) == (2, 7, 0.5)
+    assert cfg.NUM_GPUS == 1 and two.is_frozen()
+    # The same checks as loading: limits, combinations, unknown keys.
+    with pytest.raises(ConfigError, match="must be divisible by NUM_GPUS"):
+        with_overrides(cfg, {"NUM_GPUS": 3})
+    with pytest.raises(ConfigError, match="did you mean 'NUM_GPUS'"):
+        with_overrides(cfg, {"NUM_GPU": 2})
+    assert get_cfg().is_frozen() is False  # the defaults stay mutable
+
+
+@pytest.mark.parametrize(
+    "path, opts, mode",
+    [
+        # The file sets TRAIN.MIXED_PRECISION True: an explicit AMP.MODE wins.
+        (DIGITS, ["AMP.MODE", "fp32"], "fp32"),
+        (DIGITS, [], "O1"),
+        (DIGITS, ["AMP.MODE", "O3"], "O3"),
+        (DIGITS, ["TRAIN.MIXED_PRECISION", "False"], "fp32"),
+        (PYCLS_VIT, [], "O1"),
+        (None, [], "fp32"),
+        (None, ["AMP.MODE", "fp32", "TRAIN.MIXED_PRECISION", "True"], "fp32"),
+        # pycls's FSDP.MIXED_PRECISION, with FSDP: O2 (and nothing without FSDP).
+        (None, ["FSDP.ENABLED", "True", "FSDP.MIXED_PRECISION", "True"], "O2"),
+        (None, ["FSDP.MIXED_PRECISION", "True"], "fp32"),
+        (
+            None,
+            ["FSDP.ENABLED", "True", "FSDP.MIXED_PRECISION", "True", "AMP.MODE", "O1"],
+            "O1",
+        ),  # fmt: skip
+        # AMP.MODE '' is "not set": the alias decides.
+        (None, ["AMP.MODE", "", "TRAIN.MIXED_PRECISION", "True"], "O1"),
+    ],
+)
+def test_amp_mode_is_the_one_precision_switch(path, opts, mode):
+    assert mode == load_cfg(path, opts).AMP.MODE
+
+
+def test_explicit_amp_mode_in_the_file_wins_over_an_alias_override(tmp_path):
+    path = tmp_path / "o2.yaml"
+    path.write_text("AMP:\n  MODE: O2\n")
+    assert load_cfg(str(path), ["TRAIN.MIXED_PRECISION", "True"]).AMP.MODE == "O2"
+    # with_overrides follows the same rule: the file's AMP.MODE stays explicit...
+    cfg = with_overrides(load_cfg(str(path)), {"TRAIN.MIXED_PRECISION": True})
+    assert cfg.AMP.MODE == "O2"
+    # ...and a mode that came from an alias follows a later change of the alias.
+    cfg = with_overrides(load_cfg(DIGITS), {"TRAIN.MIXED_PRECISION": False})
+    assert cfg.AMP.MODE == "fp32"
+
+
+def test_explicit_fp32_over_an_alias_warns_once(caplog, monkeypatch):
+    monkeypatch.setattr(config, "_warned", set())
+    for _ in range(2):
+        load_cfg(DIGITS, ["AMP.MODE", "fp32"])
+    lines = [r.getMessage() for r in caplog.records if "AMP.MODE" in r.getMessage()]
+    assert len(lines) == 1
+    assert "TRAIN.MIXED_PRECISION True is ignored: the precision is fp32" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "opts, layer_norm_fp32, reshard",
+    [
+        ([], True, True),
+        (["FSDP.LAYER_NORM_FP32", "False"], False, True),
+        (["FSDP.LAYER_NORM_FP32", "False", "AMP.LAYER_NORM_FP32", "True"], True, True),
+        (["AMP.LAYER_NORM_FP32", "False"], False, True),
+        (["FSDP.DO_NOT_RESHARD_AFTER_FW", "True"], True, False),
+        (
+            ["FSDP.DO_NOT_RESHARD_AFTER_FW", "True", "FSDP.RESHARD_AFTER_FW", "True"],
+            True,
+            True,
+        ),  # fmt: skip
+    ],
+)
+def test_pycls_fsdp_aliases(opts, layer_norm_fp32, reshard):
+    cfg = load_cfg(None, opts)
+    assert cfg.AMP.LAYER_NORM_FP32 is layer_norm_fp32
+    assert cfg.FSDP.RESHARD_AFTER_FW is reshard
+
+
+def test_pycls_pytorch_loader_mode_is_processes():
+    assert load_cfg(None, ["DATA_LOADER.MODE", "pytorch"]).DATA_LOADER.MODE == (
+        "processes"
+    )
+
+
+def test_ignored_key_set_warns_once_naming_it(caplog, monkeypatch):
+    monkeypatch.setattr(config, "_warned", set())
+    with caplog.at_level("WARNING", logger="pycls_fast.config"):
+        for _ in range(3):
+            load_cfg(None, ["REGNET.W0", "48", "OPTIM.GAMMA", "0.5"])
+        load_cfg(None)  # defaults: no warning
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert any("REGNET.W0 is accepted for pycls but ignored" in x for x in lines)
+    assert any("OPTIM.GAMMA" in x for x in lines)  # not refused: LR_POLICY is 'cos'
+
+
+def test_launch_mode_slurm_loads_but_is_refused_at_launch():
+    cfg = load_cfg(PYCLS_VIT)  # loading (to inspect) still works
+    with pytest.raises(ConfigError, match="LAUNCH.MODE 'slurm' is not implemented"):
+        check_launch(cfg)
+    check_launch(with_overrides(cfg, {"LAUNCH.MODE": "local"}))
+
+
+# Keys that only config.py reads: limited to one value, descriptive, or pycls's
+# aliases resolved onto their switch at load.
+READ_BY_CONFIG = {
+    "MODEL.TYPE",
+    "MODEL.LOSS_FUN",
+    "DESC",
+    "CFG_DEST",
+    "TRAIN.MIXED_PRECISION",
+    "FSDP.MIXED_PRECISION",
+    "FSDP.LAYER_NORM_FP32",
+    "FSDP.DO_NOT_RESHARD_AFTER_FW",
+}
+
+
+def _read_by_modules(key, text):
+    """Whether `text` reads `key`: as cfg.NODE.KEY, or through the node itself
+    (o = cfg.OPTIM; o.KEY), or a top-level key as cfg.KEY."""
+    if re.search(rf"\.{re.escape(key)}\b", text):
+        return True
+    node, _, leaf = key.partition(".")
+    whole_node = re.search(rf"\.{node}\b(?!\.)", text)
+    return bool(leaf and whole_node and re.search(rf"\.{leaf}\b", text))
+
+
+def test_ignored_keys_are_exactly_the_keys_no_module_reads():
+    keys = ignored_keys()
+    assert len(keys) == 62
+    flat = set(_flat_keys(get_cfg()))
+    assert all(k in flat or k in get_cfg() for k in IGNORED)
+    sources = glob.glob(os.path.join(ROOT, "pycls_fast", "**", "*.py"), recursive=True)
+    sources += glob.glob(os.path.join(ROOT, "tools", "*.py"))
+    text = ""
+    for path in sources:  # config.py and the docs generator name keys, not read them
+        if not path.endswith(("config.py", "gen_config_doc.py")):
+            with open(path) as f:
+                text += f.read()
+    read = [k for k in keys if _read_by_modules(k, text)]
+    assert read == [], "listed in config.IGNORED but read"
+    unread = [k for k in flat - set(keys) if not _read_by_modules(k, text)]
+    assert sorted(unread) == sorted(READ_BY_CONFIG), "read by nothing, not IGNORED"
+
+
+def test_limits_name_existing_keys_and_accept_the_defaults():
+    flat = set(_flat_keys(get_cfg()))
+    assert set(LIMITS) <= flat
+    defaults = get_cfg()
+    for key, limit in LIMITS.items():
+        assert limit.error(key, config._get(defaults, key)) is None, key

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from pycls_fast.config import load_cfg
+from pycls_fast.config import load_cfg, with_overrides
 from pycls_fast.core import distributed, launch
 from pycls_fast.core.logging import load_json_stats
 from pycls_fast.errors import ConfigError, RankFailedError
@@ -273,8 +273,7 @@ def test_fp16_loss_scaling_skips_the_step_on_every_rank():
 
 def _differ_on_rank_1(cfg):
     if distributed.rank() == 1:
-        cfg.defrost()
-        cfg.OPTIM.BASE_LR *= 2
+        cfg = with_overrides(cfg, {"OPTIM.BASE_LR": cfg.OPTIM.BASE_LR * 2})
     distributed.check_same_config(cfg)
 
 
@@ -295,8 +294,8 @@ def test_num_gpus_must_match_torchrun_world_size(monkeypatch):
     ):
         launch._match_world_size(cfg, 2)
     cfg = load_cfg(None, [*TINY, "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "16"])
-    launch._match_world_size(cfg, 2)
-    assert cfg.NUM_GPUS == 2
+    matched = launch._match_world_size(cfg, 2)
+    assert matched.NUM_GPUS == 2 and cfg.NUM_GPUS == 1  # a new config, checked
 
 
 def _ranks(parent):

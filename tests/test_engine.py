@@ -5,14 +5,14 @@ import math
 import pytest
 import torch
 
-from pycls_fast.config import ConfigError
+from pycls_fast.config import get_cfg
 from pycls_fast.core.ema import create_ema, ema_alpha, update_ema
 from pycls_fast.core.optimizer import (
     construct_optimizer,
     lr_at,
     param_groups,
 )
-from pycls_fast.core.precision import AmpMode, resolve_amp
+from pycls_fast.core.precision import AmpMode, describe_precision, resolve_amp
 from pycls_fast.core.trainer import build_components, train_step
 from pycls_fast.models import build_model
 
@@ -99,8 +99,21 @@ def test_mixed_precision_flag_maps_to_o1():
     assert resolve_amp(tiny_cfg())[0] is AmpMode.FP32
     cfg = tiny_cfg("TRAIN.MIXED_PRECISION", "True", "AMP.MODE", "O2")
     assert resolve_amp(cfg)[0] is AmpMode.O2
-    with pytest.raises(ConfigError, match="AMP.MODE is 'fp32'"):
-        tiny_cfg("TRAIN.MIXED_PRECISION", "True", "AMP.MODE", "fp32")
+    # An explicit AMP.MODE wins over pycls's alias, 'fp32' too.
+    cfg = tiny_cfg("TRAIN.MIXED_PRECISION", "True", "AMP.MODE", "fp32")
+    assert resolve_amp(cfg)[0] is AmpMode.FP32
+    # An unloaded config (AMP.MODE '') follows the alias the same way.
+    raw = get_cfg()
+    raw.TRAIN.MIXED_PRECISION = True
+    assert resolve_amp(raw)[0] is AmpMode.O1
+
+
+def test_describe_precision():
+    assert describe_precision(AmpMode.FP32, torch.bfloat16) == "fp32"
+    o1 = describe_precision(*resolve_amp(tiny_cfg("AMP.MODE", "O1")))
+    assert o1 == "O1 (bf16 autocast, fp32 weights)"
+    o2 = describe_precision(AmpMode.O2, torch.float16)
+    assert o2 == "O2 (fp16 weights, fp32 master weights)"
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])

@@ -69,6 +69,21 @@ def test_user_mistakes_exit_2_with_one_line(args, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("mode", ["slurm", "submitit_local"])
+def test_unimplemented_launch_mode_is_refused_before_any_work(tmp_path, mode):
+    out = tmp_path / "out"
+    result = _tool(
+        "train_net.py", "--cfg", EXAMPLE, "LAUNCH.MODE", mode, "OUT_DIR", str(out)
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: LAUNCH.MODE '{mode}' is not implemented in pycls_fast: it would run "
+        "locally; set LAUNCH.MODE local and submit the job with sbatch + torchrun "
+        "(docs/DISTRIBUTED.md)"
+    ]
+    assert not out.exists()
+
+
 def test_config_doc_is_current_and_complete():
     result = _tool("gen_config_doc.py", "--check")
     assert result.returncode == 0, result.stdout

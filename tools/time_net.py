@@ -29,10 +29,12 @@ import time
 
 import torch
 
+from pycls_fast.config import with_overrides
 from pycls_fast.core import distributed, timing
 from pycls_fast.core.cli import cfg_from_args, config_parser, run
 from pycls_fast.core.launch import launch
 from pycls_fast.core.parallel import state_bytes
+from pycls_fast.core.precision import describe_precision
 from pycls_fast.core.trainer import (
     build_components,
     seed_everything,
@@ -54,10 +56,8 @@ def loader_throughput(cfg, batches):
     with tempfile.TemporaryDirectory() as root:
         make_image_folder(root, splits=("train",), num_classes=4,
                           images_per_class=-(-images // 4))  # fmt: skip
-        cfg.defrost()
-        cfg.DATA.PATH, cfg.DATA.INDEX_CACHE = root, False
-        rate = timing.time_loader(construct_train_loader(cfg), batches)
-        cfg.DATA.PATH = ""
+        synthetic = with_overrides(cfg, {"DATA.PATH": root, "DATA.INDEX_CACHE": False})
+        rate = timing.time_loader(construct_train_loader(synthetic), batches)
     return rate, "synthetic JPEGs (500x375)"
 
 
@@ -83,8 +83,11 @@ def compare_parallel(cfg, modes, rounds):
     batch = cfg.TRAIN.BATCH_SIZE // world
     built = {}
     for mode in modes:
-        variant = cfg.clone()
-        variant.FSDP.ENABLED = mode == "fsdp"
+        # The precision stays the compared config's (pycls's FSDP.MIXED_PRECISION
+        # alias would otherwise follow FSDP.ENABLED).
+        variant = with_overrides(
+            cfg, {"FSDP.ENABLED": mode == "fsdp", "AMP.MODE": cfg.AMP.MODE}
+        )
         seed_everything(cfg.RNG_SEED)
         built[mode] = build_components(variant, loaders=False)
     times = {mode: [] for mode in modes}
@@ -165,7 +168,8 @@ def main():
         bad = [m for m in modes if m not in ("ddp", "fsdp")]
         if bad or not modes:
             raise UserError(f"--parallel takes 'ddp', 'fsdp' or both, got {bad}")
-        cfg.FSDP.ENABLED = "fsdp" in modes  # so that one process gets a group too
+        # FSDP.ENABLED so that one process gets a process group too.
+        cfg = with_overrides(cfg, {"FSDP.ENABLED": "fsdp" in modes})
         records = launch(
             functools.partial(compare_parallel, modes=modes, rounds=args.rounds), cfg
         )
@@ -199,7 +203,7 @@ def measure(cfg, args):
     record = {
         "config": args.cfg_file,
         "device": str(parts.device),
-        "precision": f"{parts.mode.value}/{str(parts.half).replace('torch.', '')}",
+        "precision": describe_precision(parts.mode, parts.half),
         "batch_per_process": batch,
         "processes": world,
         "fwd_ms": 1e3 * train["fwd_s"],

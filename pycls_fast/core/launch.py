@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from pycls_fast.config import check_cfg
+from pycls_fast.config import check_launch, with_overrides
 from pycls_fast.core import preemption
 from pycls_fast.core.distributed import (
     destroy_process_group,
@@ -77,16 +77,15 @@ def init_single_process_group(cfg):
 
 def _match_world_size(cfg, world):
     """Under torchrun the world size is torchrun's: NUM_GPUS must be 1 (the default)
-    or equal to it; batch sizes are then checked against it."""
+    or equal to it. Returns the config with NUM_GPUS set to it (batch sizes are then
+    checked against it)."""
     if cfg.NUM_GPUS not in (1, world):
         raise ConfigError(
             f"NUM_GPUS ({cfg.NUM_GPUS}) does not match torchrun's WORLD_SIZE "
             f"({world}): leave NUM_GPUS at 1 under torchrun, or set it to the world "
             "size"
         )
-    cfg.defrost()
-    cfg.NUM_GPUS = world
-    check_cfg(cfg)
+    return with_overrides(cfg, {"NUM_GPUS": world})
 
 
 def _free_port(cfg):
@@ -114,9 +113,13 @@ def launch(fn, cfg):
       sharing the CPU cores) and waits; when one dies, the others are stopped and
       RankFailedError names it;
     - otherwise: runs `fn(cfg)` here (with a one-process group when FSDP is enabled).
+
+    A launch key that asks for what is not implemented (LAUNCH.MODE 'slurm') is
+    refused first (ConfigError), before any work starts.
     """
+    check_launch(cfg)
     if under_torchrun():
-        _match_world_size(cfg, int(os.environ["WORLD_SIZE"]))
+        cfg = _match_world_size(cfg, int(os.environ["WORLD_SIZE"]))
         return _run_in_group(fn, cfg, init_process_group)
     if cfg.NUM_GPUS > 1:
         return _spawn(fn, cfg)

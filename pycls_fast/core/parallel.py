@@ -13,8 +13,9 @@ How the AMP modes map to FSDP (`fsdp_mixed_precision`): O2 keeps the sharded
 parameters in fp32 (they are the master weights, so no separate master copy exists)
 and all-gathers them in half precision for compute, reducing gradients in fp32; O3
 shards half-precision parameters and reduces in half precision; fp32 and O1 shard fp32
-parameters (autocast does O1's casts). FSDP.LAYER_NORM_FP32 keeps LayerNorm (and the
-conv stem's BatchNorm) parameters in fp32 for compute under O2.
+parameters (autocast does O1's casts). AMP.LAYER_NORM_FP32 (which pycls's
+FSDP.LAYER_NORM_FP32 maps onto) keeps LayerNorm (and the conv stem's BatchNorm)
+parameters in fp32 for compute under O2.
 """
 
 import warnings
@@ -41,8 +42,9 @@ def fsdp_enabled(cfg):
 
 
 def reshard_after_forward(cfg):
-    """FSDP.RESHARD_AFTER_FW, unless pycls's older DO_NOT_RESHARD_AFTER_FW is set."""
-    return cfg.FSDP.RESHARD_AFTER_FW and not cfg.FSDP.DO_NOT_RESHARD_AFTER_FW
+    """FSDP.RESHARD_AFTER_FW (a loaded config has pycls's DO_NOT_RESHARD_AFTER_FW
+    resolved onto it)."""
+    return cfg.FSDP.RESHARD_AFTER_FW
 
 
 def fsdp_mixed_precision(mode, half):
@@ -69,7 +71,7 @@ def shard_model(model, cfg, mode, half):
 
     policy = fsdp_mixed_precision(mode, half)
     reshard = reshard_after_forward(cfg)
-    if mode is AmpMode.O2 and cfg.FSDP.LAYER_NORM_FP32:
+    if mode is AmpMode.O2 and cfg.AMP.LAYER_NORM_FP32:
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32)
         for m in model.modules():
             if isinstance(m, _NORMS):

@@ -2,7 +2,7 @@
 
 - fp32: everything in fp32.
 - O1: autocast (matmuls in half precision), fp32 weights. pycls's
-  TRAIN.MIXED_PRECISION: True means this.
+  TRAIN.MIXED_PRECISION: True means this (when AMP.MODE is not set).
 - O2: half-precision model weights, fp32 master weights kept by the optimizer
   (`MasterWeights`); LayerNorm stays fp32 when AMP.LAYER_NORM_FP32 (autocast keeps the
   LayerNorm math in fp32 and the matmuls in half precision).
@@ -17,8 +17,8 @@ import enum
 import torch
 from torch import nn
 
+from pycls_fast.config import legacy_amp_mode
 from pycls_fast.core.distributed import local_tensor
-from pycls_fast.errors import ConfigError
 
 
 class AmpMode(enum.Enum):
@@ -34,16 +34,28 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_amp(cfg):
-    """Returns (AmpMode, half dtype) from AMP.MODE and pycls's TRAIN.MIXED_PRECISION.
+    """Returns (AmpMode, half dtype): AMP.MODE, or for AMP.MODE '' (a config built
+    from get_cfg(), not loaded) what pycls's aliases ask for (config.legacy_amp_mode).
 
-    AMP.MODE '' follows TRAIN.MIXED_PRECISION (True: O1, False: fp32); an explicit
-    AMP.MODE wins, except 'fp32' with MIXED_PRECISION True, which the config check
-    rejects so that the two never disagree silently.
+    A loaded config holds the resolved mode already (config.load_cfg applies the rule:
+    an AMP.MODE set in the file or an override wins over the aliases). The half dtype
+    is AMP.DTYPE's even in fp32 mode, where nothing uses it: `describe_precision`
+    names the pair for logs.
     """
-    mode = cfg.AMP.MODE or ("O1" if cfg.TRAIN.MIXED_PRECISION else "fp32")
-    if mode == "fp32" and cfg.TRAIN.MIXED_PRECISION:
-        raise ConfigError("AMP.MODE is 'fp32' but TRAIN.MIXED_PRECISION is True")
+    mode = cfg.AMP.MODE or legacy_amp_mode(cfg)
     return AmpMode(mode), DTYPES[cfg.AMP.DTYPE]
+
+
+def describe_precision(mode, half):
+    """The precision of a run in words, for logs: 'fp32', or e.g.
+    'O1 (bf16 autocast, fp32 weights)'."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(half, str(half))
+    return {
+        AmpMode.FP32: "fp32",
+        AmpMode.O1: f"O1 ({name} autocast, fp32 weights)",
+        AmpMode.O2: f"O2 ({name} weights, fp32 master weights)",
+        AmpMode.O3: f"O3 ({name} everywhere)",
+    }[mode]
 
 
 def prepare_model(model, mode, dtype, layer_norm_fp32=True):

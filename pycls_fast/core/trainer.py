@@ -36,6 +36,7 @@ from pycls_fast.core.precision import (
     AmpMode,
     MasterWeights,
     autocast,
+    describe_precision,
     input_dtype,
     loss_scaler,
     prepare_model,
@@ -529,11 +530,10 @@ def _train(cfg, stop):
     seed_everything(cfg.RNG_SEED)
     parts = build_components(cfg)
     logger.info(
-        "model: %s params; precision %s/%s; %s; %d train and %d test batches per "
+        "model: %s params; precision %s; %s; %d train and %d test batches per "
         "epoch and rank",
         f"{sum(p.numel() for p in parts.module.parameters()):,}",
-        parts.mode.value,
-        str(parts.half).replace("torch.", ""),
+        describe_precision(parts.mode, parts.half),
         _parallel_name(cfg),
         len(parts.train_loader),
         len(parts.test_loader),
