@@ -31,6 +31,7 @@ import dataclasses
 import difflib
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -853,16 +854,23 @@ def ignored_keys() -> list[str]:
 
 
 def _suggest(name: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    choices = list(choices)
+    if name.upper() in choices:  # keys are upper case: optim.base_lr
+        return f" (did you mean '{name.upper()}'?)"
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
     """Returns `value` with the type of `default`, or raises ConfigError."""
     if isinstance(value, str) and not isinstance(default, str):
-        # Command-line overrides arrive as strings: parse them as Python literals.
-        with contextlib.suppress(ValueError, SyntaxError):
+        # Command-line overrides arrive as strings: parse them as Python literals, or
+        # else as YAML scalars, the spelling config.yaml is written in (true, null).
+        try:
             value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            with contextlib.suppress(yaml.YAMLError):
+                value = yaml.safe_load(value) if value.strip() else value
     if isinstance(default, bool):
         if isinstance(value, bool):
             return value
@@ -947,13 +955,34 @@ def _nest(key: str, value: Any) -> dict:
     return node
 
 
+_KEY_EQUALS = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*)=(.*)$", re.S)
+
+
+def override_pairs(opts: Sequence[str]) -> list[tuple[str, str]]:
+    """Command-line overrides as (KEY, VALUE) pairs: `KEY VALUE` and `KEY=VALUE`
+    spellings, mixed freely."""
+    pairs, i = [], 0
+    while i < len(opts):
+        m = _KEY_EQUALS.match(opts[i])
+        if m:
+            pairs.append((m.group(1), m.group(2)))
+            i += 1
+        elif i + 1 < len(opts):
+            pairs.append((opts[i], opts[i + 1]))
+            i += 2
+        else:
+            raise ConfigError(
+                f"overrides come in KEY VALUE or KEY=VALUE pairs; got {opts[i]!r} alone"
+            )
+    return pairs
+
+
 def merge_from_list(cfg: CfgNode, opts: Sequence[str]) -> set[str]:
-    """Merges command-line overrides `[KEY, VALUE, KEY, VALUE, ...]` into the mutable
-    `cfg` (values parsed as Python literals); returns the keys they set."""
-    if len(opts) % 2:
-        raise ConfigError(f"overrides come in KEY VALUE pairs; got {opts[-1]!r} alone")
+    """Merges command-line overrides (`KEY VALUE` or `KEY=VALUE`, values parsed as
+    Python literals or YAML scalars) into the mutable `cfg`; returns the keys they
+    set."""
     done = set()
-    for key, value in zip(opts[0::2], opts[1::2]):
+    for key, value in override_pairs(opts):
         done |= _merge(cfg, _nest(key, value))
     return done
 

@@ -255,7 +255,7 @@ def test_base_inheritance(tmp_path):
             "OPTIM.GAMMA 0.5 is not implemented",
         ),
         (["MODEL.TYPE", "resnet"], "MODEL.TYPE must be one of ['vit']"),
-        (["VIT.PATCH_SIZE"], "KEY VALUE pairs"),
+        (["VIT.PATCH_SIZE"], "KEY VALUE or KEY=VALUE pairs"),
     ],
 )
 def test_bad_values_name_the_key(opts, message):
@@ -467,3 +467,33 @@ def test_limits_name_existing_keys_and_accept_the_defaults():
     defaults = get_cfg()
     for key, limit in LIMITS.items():
         assert limit.error(key, config._get(defaults, key)) is None, key
+
+
+@pytest.mark.parametrize(
+    "spelling, expected",
+    [("true", True), ("True", True), ("yes", True), ("false", False), ("off", False)],
+)
+def test_boolean_overrides_accept_yaml_spellings(spelling, expected):
+    """config.yaml writes `true`; an override may spell it the same way."""
+    cfg = load_cfg(None, ["OPTIM.MTA", spelling])
+    assert cfg.OPTIM.MTA is expected
+
+
+def test_key_equals_value_overrides_mix_with_pairs():
+    cfg = load_cfg(
+        None, ["OPTIM.BASE_LR=0.01", "TRAIN.BATCH_SIZE", "64", "OUT_DIR=/tmp/a=b"]
+    )
+    assert cfg.OPTIM.BASE_LR == 0.01 and cfg.TRAIN.BATCH_SIZE == 64
+    assert cfg.OUT_DIR == "/tmp/a=b"
+
+
+def test_lowercase_key_gets_did_you_mean():
+    with pytest.raises(
+        ConfigError, match=r"optim.base_lr \(did you mean 'OPTIM.BASE_LR'"
+    ):
+        load_cfg(None, ["optim.base_lr", "0.1"])
+
+
+def test_a_non_boolean_word_for_a_boolean_is_still_refused():
+    with pytest.raises(ConfigError, match="OPTIM.MTA: expected bool, got 'maybe'"):
+        load_cfg(None, ["OPTIM.MTA", "maybe"])

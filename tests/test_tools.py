@@ -43,11 +43,37 @@ def test_bench_help(name):
 def test_info_net_json():
     result = _tool("info_net.py", "--cfg", "configs/pycls/ViT-P-18GF.yaml", "--json")
     assert result.returncode == 0, result.stderr
-    record = json.loads(result.stdout.strip().splitlines()[-1])
+    (line,) = result.stdout.strip().splitlines()  # only JSON: it pipes into jq
+    record = json.loads(line)
     assert record["params"] == 86_567_656
     assert record["flops"] == 17_580_319_720
     assert record["acts"] == 23_895_544
-    assert "ViTEncoderBlock" in result.stdout  # the model itself is printed too
+
+
+def test_info_net_one_line_per_config():
+    configs = ["configs/pycls/ViT-P-18GF.yaml", "configs/vit/ViT-B-16.yaml"]
+    result = _tool(
+        "info_net.py", "--cfg", configs[0], "--cfg", configs[1], "--summary",
+        "MODEL.NUM_CLASSES", "10",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["ViT-P-18GF", "ViT-B-16"]
+    as_json = _tool(
+        "info_net.py", "--cfg", configs[0], "--cfg", configs[1], "--json",
+        "MODEL.NUM_CLASSES", "10",
+    )  # fmt: skip
+    records = [json.loads(line) for line in as_json.stdout.strip().splitlines()]
+    assert [r["config"] for r in records] == configs
+    # The override reached both: ViT-B/16's head has 768 * 10 + 10 parameters.
+    assert records[1]["params"] == 86_566_120 - 768 * 990 - 990
+
+
+def test_info_net_prints_the_model_without_flags():
+    result = _tool("info_net.py", "--cfg", "configs/vit/ViT-Ti-16.yaml")
+    assert result.returncode == 0, result.stderr
+    assert "ViTEncoderBlock" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("ViT-Ti-16: params")
 
 
 @pytest.mark.parametrize(

@@ -1,36 +1,53 @@
 #!/usr/bin/env python3
-"""Prints a model and its complexity: python tools/info_net.py --cfg FILE [--json]."""
+"""Prints a model and its complexity: python tools/info_net.py --cfg FILE [--json].
+
+    python tools/info_net.py --cfg A.yaml [--cfg B.yaml ...] [--summary | --json]
+        [KEY VALUE ...]
+
+Per config: the module tree (unless --summary) and one line of params, flops and
+activations. With --json only JSON is printed, one object per config and line
+(`config`, `im_size`, `params`, `flops`, `acts`), so that it pipes into jq.
+KEY VALUE overrides apply to every config."""
 
 import json
 import os
 
-from pycls_fast.core.cli import cfg_from_args, config_parser, run
+from pycls_fast.config import load_cfg
+from pycls_fast.core.cli import config_parser, run
 from pycls_fast.models import build_model, complexity
 
 
+def summary_line(name: str, cfg, cx: dict) -> str:
+    """One human line of a config's complexity."""
+    return (
+        f"{name}: params {cx['params']:,}  flops {cx['flops']:,} "
+        f"({cx['flops'] / 1e9:.2f} GF)  acts {cx['acts']:,} ({cx['acts'] / 1e6:.2f} M)"
+        f"  @ {cfg.TRAIN.IM_SIZE}px, {cfg.VIT.CLASSIFIER_TYPE}, {cfg.VIT.LAYOUT}"
+    )
+
+
 def main():
-    parser = config_parser("Print a model and its complexity (params, flops, acts).")
+    parser = config_parser(
+        "Print a model and its complexity (params, flops, acts).", several=True
+    )
     parser.add_argument(
-        "--json", action="store_true", help="end with one JSON line of the figures"
+        "--json", action="store_true", help="only JSON: one object per config and line"
     )
     parser.add_argument(
         "--summary", action="store_true", help="one line per config, no module tree"
     )
     args = parser.parse_args()
-    cfg = cfg_from_args(args)
-    cx = complexity(cfg)
-    name = os.path.splitext(os.path.basename(args.cfg_file))[0]
-    line = (
-        f"{name}: params {cx['params']:,}  flops {cx['flops']:,} "
-        f"({cx['flops'] / 1e9:.2f} GF)  acts {cx['acts']:,} ({cx['acts'] / 1e6:.2f} M)"
-        f"  @ {cfg.TRAIN.IM_SIZE}px, {cfg.VIT.CLASSIFIER_TYPE}, {cfg.VIT.LAYOUT}"
-    )
-    if not args.summary:
-        print(build_model(cfg))
-    print(line)
-    if args.json:
-        record = {"config": args.cfg_file, "im_size": cfg.TRAIN.IM_SIZE, **cx}
-        print(json.dumps(record))
+    # Every config is checked before anything is printed.
+    cfgs = [(path, load_cfg(path, args.opts or [])) for path in args.cfg_file]
+    for path, cfg in cfgs:
+        cx = complexity(cfg)
+        if args.json:
+            record = {"config": path, "im_size": cfg.TRAIN.IM_SIZE, **cx}
+            print(json.dumps(record))
+            continue
+        if not args.summary:
+            print(build_model(cfg))
+        print(summary_line(os.path.splitext(os.path.basename(path))[0], cfg, cx))
 
 
 if __name__ == "__main__":

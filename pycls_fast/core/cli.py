@@ -13,15 +13,26 @@ from pycls_fast.core.launch import exit_process
 from pycls_fast.errors import error_line, exit_code
 
 
-def config_parser(description):
-    """Returns an ArgumentParser with pycls's `--cfg FILE [KEY VALUE ...]` arguments."""
+def config_parser(
+    description: str, *, several: bool = False
+) -> argparse.ArgumentParser:
+    """Returns an ArgumentParser with pycls's `--cfg FILE [KEY VALUE ...]` arguments
+    (`several`: --cfg may be given more than once, `args.cfg_file` is then a list)."""
     parser = argparse.ArgumentParser(
         description=description,
-        epilog="KEY VALUE pairs override config keys, e.g. OPTIM.BASE_LR 0.001 "
-        "(see docs/CONFIG.md).",
+        epilog="KEY VALUE (or KEY=VALUE) pairs override config keys, e.g. "
+        "OPTIM.BASE_LR 0.001 (see docs/CONFIG.md).",
     )
-    parser.add_argument("--cfg", dest="cfg_file", required=True, help="config file")
-    parser.add_argument("opts", nargs="*", help="config overrides: KEY VALUE ...")
+    if several:
+        parser.add_argument(
+            "--cfg", dest="cfg_file", required=True, action="append",
+            help="config file (repeat --cfg for several)",
+        )  # fmt: skip
+    else:
+        parser.add_argument("--cfg", dest="cfg_file", required=True, help="config file")
+    parser.add_argument(
+        "opts", nargs="*", help="config overrides: KEY VALUE or KEY=VALUE ..."
+    )
     parser.parse_args = parser.parse_intermixed_args  # options may follow KEY VALUE
     return parser
 
