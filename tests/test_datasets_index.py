@@ -46,6 +46,18 @@ def test_missing_root_and_split(tmp_path):
         load_index(str(tmp_path), "val")
 
 
+def test_a_relative_data_path_says_relative_to_what(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        load_index("data/digits", "train")
+    assert str(e.value) == (
+        f"DATA.PATH folder not found: data/digits (relative to {tmp_path})"
+    )
+    with pytest.raises(UserError) as e:  # an absolute path needs no such note
+        load_index(str(tmp_path / "x"), "train")
+    assert str(e.value) == f"DATA.PATH folder not found: {tmp_path / 'x'}"
+
+
 def test_split_without_class_folders(tmp_path):
     _touch_image(f"{tmp_path}/val/flat.JPEG", fmt="JPEG")
     with pytest.raises(UserError, match=r"no class folders in .*val"):

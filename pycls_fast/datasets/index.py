@@ -108,7 +108,8 @@ def load_index(root, split, cache_dir=None):
     if not root:
         raise UserError("DATA.PATH is not set (the dataset root folder)")
     if not os.path.isdir(root):
-        raise UserError(f"DATA.PATH folder not found: {root}")
+        where = "" if os.path.isabs(root) else f" (relative to {os.getcwd()})"
+        raise UserError(f"DATA.PATH folder not found: {root}{where}")
     split_dir = os.path.abspath(os.path.join(root, split))
     if not cache_dir:
         return scan_split(split_dir)
