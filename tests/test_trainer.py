@@ -171,6 +171,11 @@ def test_train_net_and_test_net(digits, tmp_path):
         (["DATA.PATH", "/nonexistent/data"], "/nonexistent/data"),
         (["TEST.WEIGHTS", "/nonexistent/w.pyth"], "checkpoint not found"),
         (["OUT_DIR", "/proc/nope"], "OUT_DIR /proc/nope is not writable"),
+        # Checked once before the ranks start: one line, not one per rank.
+        (
+            ["NUM_GPUS", "2", "DATA.PATH", "/nonexistent/data"],
+            "error: DATA.PATH folder not found: /nonexistent/data",
+        ),
     ],
 )
 def test_user_mistakes_are_one_line_exit_2(digits, tmp_path, opts, message):
@@ -180,6 +185,7 @@ def test_user_mistakes_are_one_line_exit_2(digits, tmp_path, opts, message):
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "rank" not in result.stderr
 
 
 def test_time_net_json(tmp_path):

@@ -7,11 +7,13 @@ KEY VALUE pairs override config keys. TEST.WEIGHTS is a checkpoint file or a sha
 from pycls_fast.core.cli import cfg_from_args, config_parser, run
 from pycls_fast.core.launch import launch
 from pycls_fast.core.trainer import test_model
+from pycls_fast.datasets.loader import check_data
 
 
 def main():
     parser = config_parser("Evaluate TEST.WEIGHTS on DATA.PATH/TEST.SPLIT.")
     cfg = cfg_from_args(parser.parse_args())
+    check_data(cfg, ("test",))  # once, before any rank starts
     record = launch(test_model, cfg)
     if record is None:  # not rank 0
         return

@@ -10,6 +10,7 @@ import os
 from pycls_fast.core.cli import cfg_from_args, config_parser, run
 from pycls_fast.core.launch import launch
 from pycls_fast.core.trainer import train_model
+from pycls_fast.datasets.loader import check_data
 from pycls_fast.errors import Stopped
 
 
@@ -28,6 +29,7 @@ def train(cfg):
 def main():
     parser = config_parser("Train a model (logs, checkpoints and plots in OUT_DIR).")
     cfg = cfg_from_args(parser.parse_args())
+    check_data(cfg, ("train", "test"))  # once, before any rank starts
     results = launch(train, cfg)
     if results is None:  # not rank 0
         return

@@ -98,6 +98,22 @@ def _cache_file(cache_dir, split_dir):
     return os.path.join(cache_dir, f"index_{os.path.basename(split_dir)}_{key}.npz")
 
 
+def check_split(root: str, split: str) -> None:
+    """Raises UserError, with load_index's message, when `root/split` is not an
+    ImageNet-layout folder; cheap (lists class folders only), so a launcher can
+    check before it starts any process."""
+    _check_root(root)
+    _class_dirs(os.path.abspath(os.path.join(root, split)))
+
+
+def _check_root(root):
+    if not root:
+        raise UserError("DATA.PATH is not set (the dataset root folder)")
+    if not os.path.isdir(root):
+        where = "" if os.path.isabs(root) else f" (relative to {os.getcwd()})"
+        raise UserError(f"DATA.PATH folder not found: {root}{where}")
+
+
 def load_index(root, split, cache_dir=None):
     """Returns the FileIndex of `root/split`, read from `cache_dir` when still valid.
 
@@ -105,11 +121,7 @@ def load_index(root, split, cache_dir=None):
     the cache is keyed by the split folder's absolute path and invalidated when any
     class folder (or the split folder) changes.
     """
-    if not root:
-        raise UserError("DATA.PATH is not set (the dataset root folder)")
-    if not os.path.isdir(root):
-        where = "" if os.path.isabs(root) else f" (relative to {os.getcwd()})"
-        raise UserError(f"DATA.PATH folder not found: {root}{where}")
+    _check_root(root)
     split_dir = os.path.abspath(os.path.join(root, split))
     if not cache_dir:
         return scan_split(split_dir)

@@ -25,7 +25,7 @@ import torch
 
 from pycls_fast.datasets import sharding
 from pycls_fast.datasets.batch import ImageDecoder
-from pycls_fast.datasets.index import load_index
+from pycls_fast.datasets.index import check_split, load_index
 from pycls_fast.datasets.processes import iterate_processes
 from pycls_fast.datasets.spdl_pipeline import iterate_spdl
 from pycls_fast.datasets.threaded import iterate_threaded
@@ -225,6 +225,14 @@ def _loader(cfg, index, train, plan):
         cfg.DATA_LOADER.STATS_PERIOD,
         drop_empty=not train,
     )
+
+
+def check_data(cfg, splits: Sequence[str]) -> None:
+    """Checks that DATA.PATH holds the split folders named by `splits` ('train',
+    'test'), before any process starts; UserError naming what is missing."""
+    for which in splits:
+        split = cfg.TRAIN.SPLIT if which == "train" else cfg.TEST.SPLIT
+        check_split(cfg.DATA.PATH, split)
 
 
 def construct_train_loader(cfg, rank=None, world_size=None):
