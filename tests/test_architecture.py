@@ -14,7 +14,7 @@ PACKAGE = ROOT / "pycls_fast"
 # longest matching prefix names a module's layer. Keep in step with ARCHITECTURE.md.
 LAYERS = [
     ["pycls_fast.errors"],
-    ["pycls_fast.config"],
+    ["pycls_fast.config", "pycls_fast.config_doc"],
     ["pycls_fast.models"],
     ["pycls_fast.datasets"],
     ["pycls_fast.core"],  # the components: distributed, precision, parallel, ...
