@@ -152,7 +152,8 @@ def plot_curves(runs: Sequence[Mapping[str, Any]], n: int, path: str) -> str:
     for ax in (ax_err, ax_loss):
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
-    ax_err.legend(fontsize=8)
+    if best:
+        ax_err.legend(fontsize=8)
     fig.suptitle(f"training curves of the best {len(best)} runs")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
