@@ -204,6 +204,36 @@ def test_random_setup_is_reproducible_and_respects_constraints(tmp_path):
         assert 1e-4 <= f["overrides"]["OPTIM.BASE_LR"] <= 1e-2
 
 
+def test_grid_and_random_samplers_mix(tmp_path):
+    lr = {"TYPE": "float_sampler", "RAND_TYPE": "log_uniform",
+          "RANGE": [1.0e-4, 1.0e-2], "QUANTIZE": 1.0e-6}  # fmt: skip
+    samplers_ = {"VIT.NUM_LAYERS": [1, 2], "OPTIM.BASE_LR": lr}
+    sweep = load_sweep_cfg(_write_sweep(tmp_path, SAMPLERS=samplers_, NUM_CONFIGS=6))
+    forks = [f["overrides"] for f in sample_forks(sweep)]
+    # The grid points take turns; the random key is drawn afresh for each.
+    assert [f["VIT.NUM_LAYERS"] for f in forks] == [1, 2, 1, 2, 1, 2]
+    assert len({f["OPTIM.BASE_LR"] for f in forks}) == 6
+
+
+def test_run_status_from_files(tmp_path):
+    from pycls_fast.core.run_lock import RunLock
+    from pycls_fast.sweep.runs import run_status, write_json
+
+    run = {"out_dir": str(tmp_path / "run")}
+    assert run_status(run) == "missing"
+    os.makedirs(run["out_dir"])
+    assert run_status(run) == "incomplete"
+    with RunLock(run["out_dir"]):
+        assert run_status(run) == "running"
+    write_json(os.path.join(run["out_dir"], "exit_status.json"), {"exit_code": 143})
+    assert run_status(run) == "incomplete"  # stopped by SIGTERM: it resumes
+    write_json(os.path.join(run["out_dir"], "exit_status.json"), {"exit_code": 1})
+    assert run_status(run) == "failed"
+    final = {"_type": "test_epoch", "epoch": "3/3", "top1_err": 5.0}
+    assert run_status(run, [{"_type": "test_epoch", "epoch": "2/3"}]) == "failed"
+    assert run_status(run, [final]) == "done"
+
+
 def test_too_few_valid_samples_says_why(tmp_path):
     setup = {"SAMPLERS": LR_DEPTH, "NUM_CONFIGS": 4,
              "CONSTRAINTS": {"CX": {"FLOPS": [0, 1000]}}}  # fmt: skip

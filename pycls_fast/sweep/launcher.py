@@ -164,6 +164,8 @@ def launch_sweep(
     ]
     counts = collections.Counter(status.values())
     skipped = [f"{counts['done']} done"]
+    if counts["running"]:
+        skipped.append(f"{counts['running']} running elsewhere")
     if counts["failed"] and not retry_failed:
         skipped.append(f"{counts['failed']} failed (--retry-failed reruns them)")
     out(

@@ -16,6 +16,7 @@ from yacs.config import CfgNode
 from pycls_fast.sweep import analysis
 from pycls_fast.sweep.collect import load_sweep_data
 from pycls_fast.sweep.config import sweep_dir
+from pycls_fast.sweep.runs import LAUNCH_LOG
 from pycls_fast.sweep.samplers import is_log_scale
 
 ANALYSIS_DIR = "analysis"
@@ -65,7 +66,10 @@ def _row(
     run: Mapping[str, Any], keys: Sequence[str], best: str | None, base: str
 ) -> str:
     s, cx = run["summary"], run["complexity"]
-    log = os.path.relpath(os.path.join(run["out_dir"], "stdout.log"), base)
+    log = os.path.join(run["out_dir"], "stdout.log")
+    if not os.path.isfile(log):  # failed before logging: its process's output
+        log = os.path.join(run["out_dir"], LAUNCH_LOG)
+    log = os.path.relpath(log, base)
     link = f'<td class="text"><a href="{html.escape(log)}">{run["name"]}</a></td>'
     cells = [link, _cell(run["status"])]
     cells += [_cell(analysis.key_value(run, k)) for k in keys]

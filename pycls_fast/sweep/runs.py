@@ -2,23 +2,26 @@
 
     done        its log holds the final test_epoch record (epoch N/N)
     failed      it ended (exit_status.json) without that record, not by a stop signal
-    incomplete  it started (OUT_DIR exists) but neither: stopped, killed, or running
+    running     a training holds its OUT_DIR's lock (this launcher's or another's)
+    incomplete  it started (OUT_DIR exists) but none of these: stopped or killed
     missing     it never started
 
 Any backend (local processes now, a SLURM array later) reads and writes the same
 files, so a sweep can be launched, collected and relaunched from anywhere.
 """
 
+import fcntl
 import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from pycls_fast.core.logging import LOG_FILE, load_json_stats
+from pycls_fast.core.run_lock import LOCK_FILE
 
 EXIT_FILE = "exit_status.json"  # {"exit_code", "seconds"}: written when a run ends
 LAUNCH_LOG = "launch.log"  # the run's process output (errors before logging starts)
-STATUSES = ("done", "failed", "incomplete", "missing")
+STATUSES = ("done", "failed", "running", "incomplete", "missing")
 _STOP_SIGNAL = 128  # exit statuses above: stopped by a signal, resumable
 
 
@@ -58,12 +61,30 @@ def exit_status(run: Mapping[str, Any]) -> dict | None:
     return read_json(os.path.join(run["out_dir"], EXIT_FILE))
 
 
+def is_running(out_dir: str) -> bool:
+    """Whether a training holds OUT_DIR's lock now (core/run_lock.py's flock, which
+    the kernel drops when the training ends, however it ends)."""
+    try:
+        fd = os.open(os.path.join(out_dir, LOCK_FILE), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also releases the shared lock taken just now
+    return False
+
+
 def run_status(run: Mapping[str, Any], stats: list[dict] | None = None) -> str:
     """One of STATUSES for a run of cfgs.json (`stats`: its records, if read)."""
     stats = records(run) if stats is None else stats
     if any(is_final(r) for r in stats):
         return "done"
     ended = exit_status(run)
+    if is_running(run["out_dir"]):
+        return "running"
     if ended is not None and ended.get("exit_code", 1) < _STOP_SIGNAL:
         return "failed"
     return "incomplete" if os.path.isdir(run["out_dir"]) else "missing"
