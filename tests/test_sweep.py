@@ -316,7 +316,8 @@ def test_sweep_end_to_end(tmp_path, digits):
     assert sum(line.startswith("start ") for line in lines) == 4
     ends = [line for line in lines if line.startswith("end ")]
     assert len(ends) == 4 and all("ETA" in line for line in ends)
-    assert any("end 000003: failed (exit status 2)" in line for line in ends)
+    failed = [line for line in ends if line.startswith("end 000003: failed")]
+    assert failed and "(exit status 2): error: DATA.PATH" in failed[0]
 
     # Collect: each run's stats are its log's, statuses and the failure's reason.
     data = collect_sweep(sweep)

@@ -24,6 +24,7 @@ from pycls_fast.core.logging import format_eta
 from pycls_fast.sweep.runs import (
     EXIT_FILE,
     LAUNCH_LOG,
+    failure_line,
     records,
     run_status,
     write_json,
@@ -93,11 +94,12 @@ class LocalBackend(Backend):
         exit_file = os.path.join(job.out_dir, EXIT_FILE)
         if os.path.exists(exit_file):
             os.remove(exit_file)  # a rerun: its old ending no longer holds
+        command = self.command(job)
         log = open(os.path.join(job.out_dir, LAUNCH_LOG), "a")  # noqa: SIM115
-        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {self.command(job)}\n")
+        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {command}\n")
         log.flush()
         proc = subprocess.Popen(
-            self.command(job), stdout=log, stderr=subprocess.STDOUT, env=self.env
+            command, stdout=log, stderr=subprocess.STDOUT, env=self.env
         )
         self.running[job] = (proc, time.monotonic(), log)
         return Event(job)
@@ -189,8 +191,10 @@ def launch_sweep(
             if status[name] == "done":
                 what = f"done in {event.seconds:.1f} s{_final_error(by_name[name])}"
             else:
-                log = os.path.join(event.job.out_dir, LAUNCH_LOG)
-                what = f"{status[name]} (exit status {event.exit_code}), see {log}"
+                why = failure_line(by_name[name]) or "see " + os.path.join(
+                    event.job.out_dir, LAUNCH_LOG
+                )
+                what = f"{status[name]} (exit status {event.exit_code}): {why}"
             left = len(todo) - ended
             eta = sum(durations) / len(durations) * left / backend.max_parallel
             tally = collections.Counter(status.values())

@@ -77,7 +77,7 @@ def _row(
         _cell(cx["flops"] / 1e6, "{:.2f}"),
         _cell(cx["params"] / 1e6, "{:.3f}"),
         _cell(s["time_epoch_s"], "{:.1f}"),
-        _cell(f"{s['epochs_done']}/{s['epochs_total'] or '?'}"),
+        _cell(s["epochs_done"], "{}/" + str(s["epochs_total"] or "?")),
         _cell(s["top1_err"], "{:.2f}"),
         _cell(s["min_top1_err"], "{:.2f}"),
         _cell(run["error"] or ""),

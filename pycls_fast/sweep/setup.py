@@ -119,7 +119,7 @@ def setup_sweep(sweep: CfgNode) -> list[dict[str, Any]]:
     """Samples the forks and writes them: ROOT_DIR/NAME/cfgs/<run>.yaml, a copy of the
     sweep config (sweep_cfg.yaml) and cfgs.json listing each fork's run name, files,
     overrides and complexity; returns that list. Refuses (UserError) a sweep whose
-    runs have started (ROOT_DIR/NAME/logs exists)."""
+    runs have started (ROOT_DIR/NAME/logs/ holds runs)."""
     root = sweep_dir(sweep)
     logs = os.path.join(root, "logs")
     if os.path.isdir(logs) and os.listdir(logs):
