@@ -234,6 +234,38 @@ def test_run_status_from_files(tmp_path):
     assert run_status(run, [final]) == "done"
 
 
+def test_base_cfg_may_be_a_mapping_of_keys(tmp_path):
+    """pycls's spelling: SETUP.BASE_CFG holds the config's keys themselves."""
+    path = tmp_path / "sweep.yaml"
+    base = {"MODEL": {"NUM_CLASSES": 10}, "VIT": {"HIDDEN_DIM": 48, "MLP_DIM": 96},
+            "TRAIN": {"IM_SIZE": 32}, "TEST": {"IM_SIZE": 32}}  # fmt: skip
+    path.write_text(yaml.safe_dump({
+        "NAME": "m", "ROOT_DIR": str(tmp_path),
+        "SETUP": {"BASE_CFG": base, "SAMPLERS": {"VIT.NUM_HEADS": [2, 4]}},
+    }))  # fmt: skip
+    forks = sample_forks(load_sweep_cfg(str(path)))
+    assert [f["cfg"].VIT.NUM_HEADS for f in forks] == [2, 4]
+    assert all(f["cfg"].VIT.HIDDEN_DIM == 48 for f in forks)
+
+
+def test_the_example_sweep_sets_up(monkeypatch):
+    monkeypatch.chdir(ROOT)  # its BASE_CFG and DATA.PATH are relative to the repo
+    sweep = load_sweep_cfg("configs/sweeps/digits_lr_depth.yaml")
+    forks = sample_forks(sweep)
+    assert len(forks) == 6
+    assert {f["cfg"].OPTIM.MAX_EPOCH for f in forks} == {8}
+    assert all(f["complexity"]["flops"] <= 1e8 for f in forks)
+
+
+@pytest.mark.parametrize("name", ["setup", "launch", "collect", "analyze"])
+def test_tools_help(name):
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", f"sweep_{name}.py"), "--help"],
+        capture_output=True, text=True, env=_env(), timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0 and "--sweep-cfg" in result.stdout
+
+
 def test_too_few_valid_samples_says_why(tmp_path):
     setup = {"SAMPLERS": LR_DEPTH, "NUM_CONFIGS": 4,
              "CONSTRAINTS": {"CX": {"FLOPS": [0, 1000]}}}  # fmt: skip
