@@ -4,8 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-slow lint format demo bench bench-attention bench-loader \
-	bench-optimizer clean
+.PHONY: setup test test-slow lint format demo sweep-demo bench bench-attention \
+	bench-loader bench-optimizer clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,19 @@ demo: setup
 	$(PY) tools/prepare_digits.py --root data/digits
 	$(PY) tools/train_net.py --cfg configs/examples/vit_digits.yaml
 	$(PY) tools/plot_log.py out/digits
+
+# The example sweep (docs/SWEEPS.md): 3 learning rates x 2 depths of the digits ViT,
+# 2 runs at a time (a few minutes on a laptop); the page: out/sweeps/digits_lr_depth/
+# analysis/index.html. Setting up again needs `rm -rf out/sweeps/digits_lr_depth`;
+# launching again reruns only what is not done.
+SWEEP_CFG := configs/sweeps/digits_lr_depth.yaml
+sweep-demo: setup
+	$(PY) tools/prepare_digits.py --root data/digits
+	test -d out/sweeps/digits_lr_depth/cfgs || \
+		$(PY) tools/sweep_setup.py --sweep-cfg $(SWEEP_CFG)
+	$(PY) tools/sweep_launch.py --sweep-cfg $(SWEEP_CFG)
+	$(PY) tools/sweep_collect.py --sweep-cfg $(SWEEP_CFG)
+	$(PY) tools/sweep_analyze.py --sweep-cfg $(SWEEP_CFG)
 
 # Scenario tests marked slow (also part of `make test`), alone.
 test-slow: setup

@@ -24,6 +24,7 @@ LAYERS = [
     ["pycls_fast.core.timing"],  # times the trainer's step
     ["pycls_fast.core.launch"],
     ["pycls_fast.core.cli"],
+    ["pycls_fast.sweep"],
 ]
 
 

@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Launches a sweep: python tools/sweep_launch.py --sweep-cfg FILE [--retry-failed]
+[--max-parallel N]
+
+Runs each fork that is not done as `python tools/train_net.py --cfg FORK`, N at a time
+(LAUNCH.PARALLEL_JOBS, or --max-parallel), each in its own OUT_DIR under
+ROOT_DIR/NAME/logs/. Finished runs are skipped, stopped ones resume, failed ones are
+rerun only with --retry-failed. Exit status 1 when a run failed."""
+
+import argparse
+import os
+import sys
+
+from pycls_fast.core.cli import run
+from pycls_fast.errors import PyclsFastError
+from pycls_fast.sweep.config import load_sweep_cfg
+from pycls_fast.sweep.launcher import Job, LocalBackend, launch_sweep
+from pycls_fast.sweep.setup import load_forks
+
+TRAIN_NET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_net.py")
+
+
+def train_command(job: Job) -> list[str]:
+    """The command that trains one fork (the normal training path)."""
+    return [sys.executable, TRAIN_NET, "--cfg", job.cfg_file]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep-cfg", required=True, help="sweep config file")
+    parser.add_argument(
+        "--retry-failed", action="store_true", help="rerun the runs that failed"
+    )
+    parser.add_argument(
+        "--max-parallel", type=int, help="runs at once (default LAUNCH.PARALLEL_JOBS)"
+    )
+    args = parser.parse_args()
+    if args.max_parallel is not None and args.max_parallel < 1:
+        parser.error("--max-parallel must be >= 1")
+    sweep = load_sweep_cfg(args.sweep_cfg)
+    runs = load_forks(sweep)["runs"]
+    parallel = args.max_parallel or sweep.LAUNCH.PARALLEL_JOBS
+    backend = LocalBackend(train_command, parallel)
+    try:
+        counts = launch_sweep(runs, backend, args.retry_failed, print)
+    except KeyboardInterrupt:
+        backend.stop()  # the runs checkpoint on SIGTERM; launching again resumes them
+        raise
+    summary = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    print(f"sweep: {summary}", flush=True)
+    if counts.get("failed"):
+        raise PyclsFastError(
+            f"{counts['failed']} run(s) failed: tools/sweep_collect.py shows why; "
+            "--retry-failed reruns them"
+        )
+
+
+if __name__ == "__main__":
+    run(main)
