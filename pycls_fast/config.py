@@ -366,6 +366,14 @@ _C.TRAIN.CHECKPOINT_PERIOD = 1
 # pycls_fast: also save a checkpoint every this many iterations (0: only per epoch)
 _C.TRAIN.CHECKPOINT_ITER_PERIOD = 0
 
+# pycls_fast: keep only the newest this many checkpoints (epoch and iteration ones
+# alike), deleting older ones after each save (0: keep all)
+_C.TRAIN.CHECKPOINT_KEEP = 0
+
+# pycls_fast: never delete the checkpoint of lowest test top-1 error (of the model,
+# not the EMA); checkpoints/best.json names it with its epoch and top1_err
+_C.TRAIN.CHECKPOINT_KEEP_BEST = False
+
 # Resume training from the newest complete checkpoint in OUT_DIR
 _C.TRAIN.AUTO_RESUME = True
 
@@ -784,6 +792,7 @@ _NON_NEGATIVE = [
     "DATA_LOADER.STATS_PERIOD",
     "PREC_TIME.WARMUP_ITER",
     "TRAIN.CHECKPOINT_ITER_PERIOD",
+    "TRAIN.CHECKPOINT_KEEP",
 ]
 
 _FRACTIONS = [
