@@ -201,7 +201,7 @@ class CheckpointManager:
         if path and self.best and os.path.basename(path) == self.best["checkpoint"]:
             # Its weights were replaced: their test error is not known yet.
             self.best = None
-            os.remove(retention.best_path(self.out_dir))
+            retention.forget_best(self.out_dir)
         self._retain()
         return path
 

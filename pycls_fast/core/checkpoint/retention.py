@@ -2,6 +2,7 @@
 one always, and with TRAIN.CHECKPOINT_KEEP_BEST the one of lowest test top-1 error,
 named by `checkpoints/best.json` ({"checkpoint", "epoch", "top1_err"})."""
 
+import contextlib
 import json
 import logging
 import os
@@ -45,6 +46,12 @@ def write_best(out_dir: str, name: str, epoch: int, top1_err: float) -> dict:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return best
+
+
+def forget_best(out_dir: str) -> None:
+    """Deletes best.json (its checkpoint was overwritten by other weights)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(best_path(out_dir))
 
 
 def to_delete(paths: list, keep_last: int, protected=()) -> list:
