@@ -485,6 +485,14 @@ _key("TRAIN.CHECKPOINT_PERIOD", 1, gt=0)
 # pycls_fast: also save a checkpoint every this many iterations (0: only per epoch)
 _key("TRAIN.CHECKPOINT_ITER_PERIOD", 0, ge=0)
 
+# pycls_fast: keep only the newest this many checkpoints (epoch and iteration ones
+# alike), deleting older ones after each save (0: keep all)
+_key("TRAIN.CHECKPOINT_KEEP", 0, ge=0)
+
+# pycls_fast: never delete the checkpoint of lowest test top-1 error (of the model,
+# not the EMA); checkpoints/best.json names it with its epoch and top1_err
+_key("TRAIN.CHECKPOINT_KEEP_BEST", False)
+
 # Resume training from the newest complete checkpoint in OUT_DIR
 _key("TRAIN.AUTO_RESUME", True)
 

@@ -14,7 +14,7 @@ world size).
 import argparse
 import os
 
-from pycls_fast.core import sharded_checkpoint
+from pycls_fast.core.checkpoint import sharded
 from pycls_fast.core.cli import run
 from pycls_fast.errors import UserError
 
@@ -24,11 +24,11 @@ def main():
     parser.add_argument("src", help="sharded checkpoint directory (*.dcp)")
     parser.add_argument("dst", help="single checkpoint file to write (*.pyth)")
     args = parser.parse_args()
-    if not sharded_checkpoint.is_sharded(args.src):
+    if not sharded.is_sharded(args.src):
         raise UserError(f"{args.src} is not a sharded checkpoint directory")
     if os.path.isdir(args.dst):
         raise UserError(f"{args.dst} is a directory: name the file to write")
-    meta = sharded_checkpoint.consolidate(args.src, args.dst)
+    meta = sharded.consolidate(args.src, args.dst)
     print(
         f"wrote {args.dst} (epoch {meta.get('epoch')}, iteration {meta.get('iter')}, "
         f"written by {meta.get('world_size')} processes)"

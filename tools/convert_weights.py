@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from pycls_fast.core.checkpoint import save_atomically
+from pycls_fast.core.checkpoint.files import save_atomically
 from pycls_fast.core.cli import cfg_from_args, config_parser, run
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model

@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.api import CheckpointException
 
 from pycls_fast.config import dump_cfg
-from pycls_fast.core import checkpoint as ckpt
 from pycls_fast.core import distributed
-from pycls_fast.core import sharded_checkpoint as sharded
+from pycls_fast.core.checkpoint import CheckpointManager, files
+from pycls_fast.core.checkpoint.weights import load_model_weights
 from pycls_fast.core.ema import create_ema, ema_alpha, ema_enabled, update_ema
 from pycls_fast.core.logging import format_eta, log_json_stats, setup_logging
 from pycls_fast.core.meters import EpochMeter, memory_mb, topk_errors
@@ -42,15 +41,13 @@ from pycls_fast.core.precision import (
     prepare_model,
     resolve_amp,
 )
-from pycls_fast.core.preemption import StopRequest, stop_message
+from pycls_fast.core.preemption import StopRequest
 from pycls_fast.core.run_lock import RunLock
 from pycls_fast.datasets.device import DeviceBatchTransform
 from pycls_fast.datasets.loader import construct_test_loader, construct_train_loader
 from pycls_fast.errors import (
-    CheckpointError,
     NonFiniteLossError,
     OutDirInUseError,
-    Stopped,
     UserError,
 )
 from pycls_fast.models import build_model
@@ -121,7 +118,7 @@ def lock_out_dir(cfg):
         except OutDirInUseError as e:
             error = str(e)
         else:
-            ckpt.remove_partial(cfg.OUT_DIR)
+            files.remove_partial(cfg.OUT_DIR)
     error = distributed.broadcast_object(error)
     if error:
         raise OutDirInUseError(error)
@@ -141,9 +138,9 @@ def build_components(
     if model is None:
         model = build_model(cfg)
         if cfg.TRAIN.WEIGHTS:
-            ckpt.load_model_weights(model, cfg.TRAIN.WEIGHTS, allow_missing_head=True)
+            load_model_weights(model, cfg.TRAIN.WEIGHTS, allow_missing_head=True)
     if weights:
-        ckpt.load_model_weights(model, weights, use_ema=use_ema)
+        load_model_weights(model, weights, use_ema=use_ema)
     model.to(device)
     fsdp = fsdp_enabled(cfg)
     if not (fsdp and mode is AmpMode.O2):
@@ -224,7 +221,7 @@ def _step_without_images(parts):
 def _check_finite(parts, loss_value, epoch, it):
     if math.isfinite(loss_value) or parts.scaler.enabled:
         return  # fp16 loss scaling handles overflow by skipping the step
-    last = ckpt.last_checkpoint(parts.cfg.OUT_DIR) or "none yet"
+    last = files.last_checkpoint(parts.cfg.OUT_DIR) or "none yet"
     hint = "lower OPTIM.BASE_LR"
     if parts.half == torch.float16 and parts.mode is not AmpMode.FP32:
         hint += ", or use AMP.DTYPE bf16"
@@ -373,141 +370,6 @@ def test_epoch(parts, model, epoch, kind="test_epoch"):
     return record
 
 
-def _meta(parts, epoch, iteration):
-    """What every rank shares in a checkpoint: position, loss scale, config."""
-    return {
-        "epoch": epoch,
-        "iter": iteration,
-        "scaler_state": parts.scaler.state_dict(),
-        "cfg": parts.cfg.dump(),
-    }
-
-
-def _rank_state(parts):
-    """What each rank has of its own: the RNG states (global and device batches)."""
-    state = {"rng_state": ckpt.rng_state()}
-    if parts.train_prep is not None:
-        state["batch_rng_state"] = {
-            "numpy": parts.train_prep.rng.bit_generator.state,
-            "torch": parts.train_prep.generator.get_state(),
-        }
-    return state
-
-
-def training_state(parts, epoch, iteration):
-    """The single-file checkpoint dict of a run at (epoch, iteration into it). Under
-    DDP it holds every rank's RNG states (`rank_states`), gathered on all ranks."""
-    rank_states = distributed.all_gather_object(_rank_state(parts))
-    state = {
-        **_meta(parts, epoch, iteration),
-        **rank_states[0],
-        "model_state": parts.module.state_dict(),
-        "optimizer_state": parts.optimizer.state_dict(),
-        "world_size": len(rank_states),
-    }
-    if len(rank_states) > 1:
-        state["rank_states"] = rank_states
-    if parts.ema is not None:
-        state["ema_state"] = parts.ema.state_dict()
-    if parts.master is not None:
-        state["master_state"] = parts.master.state_dict()
-    return state
-
-
-def _wrong_layout(path, sharded_file):
-    how = "FSDP.ENABLED True" if sharded_file else "FSDP.ENABLED False"
-    return CheckpointError(
-        f"checkpoint {path} was written by a run with {how}: resume with that "
-        "setting, or start a new OUT_DIR from its weights (TRAIN.WEIGHTS; "
-        "tools/consolidate_checkpoint.py makes one file of a sharded checkpoint)"
-    )
-
-
-def _mismatch(path, e):
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return CheckpointError(f"checkpoint {path} does not fit this model/config: {first}")
-
-
-def restore(parts, path):
-    """Loads the checkpoint at `path` (file or sharded directory) into the
-    components; returns (epoch, iteration)."""
-    if sharded.is_sharded(path) != fsdp_enabled(parts.cfg):
-        raise _wrong_layout(path, sharded.is_sharded(path))
-    if sharded.is_sharded(path):
-        try:
-            meta, own = sharded.load(path, parts.model, parts.optimizer, parts.ema)
-        except CheckpointError:
-            raise
-        except (KeyError, RuntimeError, ValueError) as e:
-            raise _mismatch(path, e) from None
-        state = {**meta, **(own or {})}
-    else:
-        state = ckpt.load_checkpoint(path)
-        try:
-            parts.module.load_state_dict(state["model_state"])
-            parts.optimizer.load_state_dict(state["optimizer_state"])
-        except (KeyError, RuntimeError, ValueError) as e:
-            raise _mismatch(path, e) from None
-        if parts.ema is not None and "ema_state" in state:
-            parts.ema.load_state_dict(state["ema_state"])
-        if parts.master is not None and "master_state" in state:
-            parts.master.load_state_dict(state["master_state"])
-        ranks = state.get("rank_states")
-        if ranks and len(ranks) == distributed.world_size():
-            state.update(ranks[distributed.rank()])
-    parts.scaler.load_state_dict(state["scaler_state"])
-    # RNG streams continue where they were when the world size is unchanged; at
-    # another world size the ranks' streams start afresh from RNG_SEED.
-    if "rng_state" in state:
-        ckpt.set_rng_state(state["rng_state"])
-    if parts.train_prep is not None and "batch_rng_state" in state:
-        parts.train_prep.rng.bit_generator.state = state["batch_rng_state"]["numpy"]
-        parts.train_prep.generator.set_state(state["batch_rng_state"]["torch"])
-    return state["epoch"], state["iter"]
-
-
-def save(parts, epoch, iteration):
-    """Writes a checkpoint (every rank takes part); returns its path on rank 0.
-
-    FSDP: a sharded directory that every rank writes its part of. Otherwise one file
-    that rank 0 writes. A failed write stops every rank with the same error."""
-    cfg = parts.cfg
-    folder = ckpt.checkpoint_dir(cfg.OUT_DIR)
-    error = None
-    try:
-        if fsdp_enabled(cfg):
-            os.makedirs(folder, exist_ok=True)
-            path = os.path.join(
-                folder, ckpt.checkpoint_name(epoch, iteration, sharded.SUFFIX)
-            )
-            sharded.save(
-                path,
-                parts.model,
-                parts.optimizer,
-                parts.ema,
-                _meta(parts, epoch, iteration),
-                _rank_state(parts),
-            )
-        else:
-            state = training_state(parts, epoch, iteration)
-            path = None
-            if distributed.is_main():
-                path = ckpt.save_checkpoint(cfg.OUT_DIR, state, epoch, iteration)
-    except (OSError, CheckpointException) as e:
-        error = str(getattr(e, "strerror", None) or e).strip().splitlines()[0]
-    if not fsdp_enabled(cfg):
-        error = distributed.broadcast_object(error)  # rank 0 wrote, all ranks know
-    if error:
-        # No safety net means no training: stop rather than go on unprotected.
-        raise UserError(
-            f"cannot write a checkpoint to {folder}: {error}; the previous "
-            "checkpoints are intact"
-        )
-    if distributed.is_main():
-        logger.info("wrote checkpoint %s", path)
-    return path if distributed.is_main() else None
-
-
 def train_model(cfg):
     """Trains per the config; returns the last {train, test[, test_ema]} records.
 
@@ -538,42 +400,14 @@ def _train(cfg, stop):
         len(parts.train_loader),
         len(parts.test_loader),
     )
-    start_epoch, start_iter = 0, 0
-    last = ckpt.last_checkpoint(cfg.OUT_DIR) if cfg.TRAIN.AUTO_RESUME else None
-    if last:
-        start_epoch, start_iter = restore(parts, last)
-        logger.info(
-            "resumed from %s (epoch %d, iteration %d)",
-            last,
-            start_epoch + 1,
-            start_iter,
-        )
+    manager = CheckpointManager(parts)
+    start_epoch, start_iter = manager.restore()
     if distributed.is_main():
         # Only now: a run that fails to start leaves the previous config.yaml as it was.
         dump_cfg(cfg)
-    period = cfg.TRAIN.CHECKPOINT_ITER_PERIOD
-
-    def epoch_checkpoint_due(epoch):
-        last = epoch + 1 == cfg.OPTIM.MAX_EPOCH
-        return last or (epoch + 1) % cfg.TRAIN.CHECKPOINT_PERIOD == 0
 
     def on_iter_end(epoch, done, iters):
-        signum = stop.agreed()
-        if signum:
-            path = (
-                save(parts, epoch, done) if done < iters else save(parts, epoch + 1, 0)
-            )
-            message = stop_message(signum, epoch, done, path)
-            logger.info(message)
-            raise Stopped(message, signum)
-        if period and done % period == 0:
-            if done < iters:
-                save(parts, epoch, done)
-            elif not epoch_checkpoint_due(epoch):
-                # The epoch's last iteration, as the start of the next epoch: without
-                # an epoch checkpoint after it, a crash early in the next epoch would
-                # lose two periods.
-                save(parts, epoch + 1, 0)
+        manager.after_iteration(epoch, done, iters, stop.agreed())
 
     results = {}
     if start_epoch >= cfg.OPTIM.MAX_EPOCH:
@@ -588,10 +422,10 @@ def _train(cfg, stop):
         results["train"] = train_epoch(parts, epoch, start_iter, on_iter_end)
         start_iter = 0
         last_epoch = epoch + 1 == cfg.OPTIM.MAX_EPOCH
-        if epoch_checkpoint_due(epoch):
-            save(parts, epoch + 1, 0)
+        manager.after_epoch(epoch)
         if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or last_epoch:
             results["test"] = test_epoch(parts, parts.module, epoch)
+            manager.after_eval(epoch, results["test"]["top1_err"])
             if parts.ema is not None:
                 results["test_ema"] = test_epoch(
                     parts, parts.ema, epoch, "test_ema_epoch"

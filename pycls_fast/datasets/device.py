@@ -174,3 +174,15 @@ class DeviceBatchTransform:
             inputs, targets, self.mixup_alpha, self.cutmix_alpha, self.rng
         )
         return inputs, targets
+
+    def state_dict(self) -> dict:
+        """The states of the two generators (plain values and a uint8 tensor)."""
+        return {
+            "numpy": self.rng.bit_generator.state,
+            "torch": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues the random draws where `state_dict` was taken."""
+        self.rng.bit_generator.state = state["numpy"]
+        self.generator.set_state(state["torch"])

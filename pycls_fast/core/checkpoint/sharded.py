@@ -27,14 +27,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pycls_fast.core import distributed
+from pycls_fast.core.checkpoint.files import SHARDED_SUFFIX as SUFFIX
+from pycls_fast.core.checkpoint.files import is_sharded, safe_load, save_atomically
 from pycls_fast.errors import CheckpointError
 
-SUFFIX = ".dcp"
-
-
-def is_sharded(path):
-    """Whether `path` is a sharded (DCP) checkpoint directory."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+__all__ = ["SUFFIX", "is_sharded", "save", "load", "read_meta", "read_model_state"]
 
 
 def _blob(obj):
@@ -46,9 +43,9 @@ def _blob(obj):
     return buf
 
 
-def _unblob(buf):
+def _unblob(buf, path):
     buf.seek(0)
-    return torch.load(buf, weights_only=False)
+    return safe_load(buf, path)
 
 
 def _read_metadata(path):
@@ -58,8 +55,9 @@ def _read_metadata(path):
 def save(path, model, optimizer, ema, meta, rank_state):
     """Writes the sharded checkpoint `path` (a directory) from every rank.
 
-    `meta`: picklable values common to all ranks (rank 0's copy is kept);
-    `rank_state`: this rank's own picklable state (RNG states)."""
+    `meta`: values common to all ranks (rank 0's copy is kept); `rank_state`: this
+    rank's own state (RNG states); both tensors and plain values only (they are
+    loaded with weights_only)."""
     tmp = path + ".tmp"
     if distributed.is_main() and os.path.exists(tmp):
         shutil.rmtree(tmp)  # a leftover of a write that crashed
@@ -124,7 +122,7 @@ def load(path, model, optimizer, ema):
     if "ema" in state:
         set_model_state_dict(ema, state["ema"])
     own = state.get("extra", {}).get(rank_key)
-    return meta, _unblob(own) if own is not None else None
+    return meta, _unblob(own, path) if own is not None else None
 
 
 def read_meta(path, no_dist=True):
@@ -132,7 +130,7 @@ def read_meta(path, no_dist=True):
     with no process group needed)."""
     state = {"extra": {"meta": io.BytesIO()}}
     dcp.load(state, checkpoint_id=path, no_dist=no_dist)
-    return _unblob(state["extra"]["meta"])
+    return _unblob(state["extra"]["meta"], path)
 
 
 def read_model_state(path, key="model"):
@@ -154,8 +152,6 @@ def read_model_state(path, key="model"):
 def consolidate(path, out_file):
     """Writes the model (and EMA) weights of a sharded checkpoint to one file that
     TEST.WEIGHTS, TRAIN.WEIGHTS and tools/convert_weights.py read; returns its meta."""
-    from pycls_fast.core.checkpoint import save_atomically
-
     meta = read_meta(path)
     out = {
         "model_state": read_model_state(path, "model"),
