@@ -166,7 +166,7 @@ class LoaderStep:
     def __init__(self, parts, loader):
         self.parts = parts
         self.prep = DeviceBatchTransform(
-            parts.cfg, parts.device, input_dtype(parts.mode, parts.half)
+            parts.cfg, parts.device, input_dtype(parts.mode, parts.half_dtype)
         )
         loader.set_epoch(0)
         self.batches = iter(loader)
@@ -227,7 +227,7 @@ def build_variants(args, rungs, peers, root):
         parts = build_components(cfg, loaders=False)
         # The loader rung is compiled when the compile rung ran (compiled) before it.
         if name == "compile" or (name == "loader" and "compile" in steps):
-            _compile_in_place(parts.model)
+            _compile_in_place(parts.trained)
         if name == "loader":
             loader = construct_train_loader(_loader_cfg(cfg, root, args.workers))
             step = LoaderStep(parts, loader)
@@ -244,7 +244,7 @@ def build_variants(args, rungs, peers, root):
         model = build_timm_vit(last_cfg)
         parts = build_components(last_cfg, loaders=False, model=model)
         if name == "timm_compile":
-            _compile_in_place(parts.model)
+            _compile_in_place(parts.trained)
         step = SyntheticStep(parts, args.batch)
         if _try_first_step(name, step, notes):
             steps[name] = step

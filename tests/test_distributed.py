@@ -216,9 +216,9 @@ def _state_bytes(cfg):
     inputs, targets = timing.synthetic_batch(parts, 8, cfg.TRAIN.IM_SIZE)
     train_step(parts, inputs, targets)
     # Gradients are freed by zero_grad: count them after a backward.
-    loss = parts.model(inputs).float().logsumexp(1).mean()
+    loss = parts.trained(inputs).float().logsumexp(1).mean()
     loss.backward()
-    sizes = state_bytes(parts.model, parts.optimizer)
+    sizes = state_bytes(parts.trained, parts.optimizer)
     sizes["peak_rss_mb"] = psutil.Process().memory_info().rss / 2**20
     return distributed.all_gather_object(sizes)
 
@@ -245,7 +245,7 @@ def _overflow_on_rank_1(cfg):
     from pycls_fast.core.trainer import build_components
 
     parts = build_components(cfg, loaders=False)
-    params = [p for p in parts.model.parameters()]
+    params = [p for p in parts.trained.parameters()]
     for p in params:
         p.grad = torch.zeros_like(p)
     if distributed.rank() == 1:

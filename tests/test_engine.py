@@ -40,7 +40,7 @@ def test_every_amp_mode_learns(mode, dtype):
         "OPTIM.BASE_LR", "0.003", "OPTIM.MTA", "True", "OPTIM.WEIGHT_DECAY", "0.0",
     )  # fmt: skip
     parts = build_components(cfg, loaders=False)
-    half = parts.half if parts.mode in (AmpMode.O2, AmpMode.O3) else torch.float32
+    half = parts.half_dtype if parts.mode in (AmpMode.O2, AmpMode.O3) else torch.float32
     images, labels = _batch(half)
     losses = [train_step(parts, images, labels)[0].item() for _ in range(12)]
     assert losses[-1] < 0.7 * losses[0], losses
@@ -50,7 +50,7 @@ def test_every_amp_mode_learns(mode, dtype):
 def test_o2_keeps_fp32_master_weights_and_fp32_layer_norm():
     cfg = tiny_cfg("AMP.MODE", "O2", "AMP.DTYPE", "bf16")
     parts = build_components(cfg, loaders=False)
-    model = parts.model
+    model = parts.trained
     assert model.head.head_fc.weight.dtype == torch.bfloat16
     assert model.encoder.ln.weight.dtype == torch.float32  # AMP.LAYER_NORM_FP32
     opt_params = [p for g in parts.optimizer.param_groups for p in g["params"]]
@@ -65,7 +65,7 @@ def test_o2_keeps_fp32_master_weights_and_fp32_layer_norm():
 
 def test_o3_is_all_half():
     parts = build_components(tiny_cfg("AMP.MODE", "O3"), loaders=False)
-    assert {p.dtype for p in parts.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in parts.trained.parameters()} == {torch.bfloat16}
     assert parts.master is None
 
 
@@ -77,20 +77,20 @@ def test_fp16_overflow_step_is_skipped_without_touching_weights():
     parts = build_components(cfg, loaders=False)
     images, labels = _batch()
     train_step(parts, images, labels)  # a normal step first: optimizer state exists
-    before = {k: v.clone() for k, v in parts.model.state_dict().items()}
+    before = {k: v.clone() for k, v in parts.trained.state_dict().items()}
     opt_before = parts.optimizer.state_dict()["state"][0]["exp_avg"].clone()
     parts.scaler.scale_value = 3e38  # the scaled loss overflows to inf
     _, _, skipped = train_step(parts, images, labels)
     assert skipped and parts.scaler.skipped_steps == 1
     assert parts.scaler.scale_value == pytest.approx(1.5e38)
-    after = parts.model.state_dict()
+    after = parts.trained.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert torch.equal(parts.optimizer.state_dict()["state"][0]["exp_avg"], opt_before)
     parts.scaler.scale_value = 2.0**10
     _, _, skipped = train_step(parts, images, labels)
     assert not skipped
     assert not torch.equal(
-        before["head.head_fc.weight"], parts.model.head.head_fc.weight
+        before["head.head_fc.weight"], parts.trained.head.head_fc.weight
     )
 
 

@@ -220,12 +220,12 @@ def test_grad_clip_bounds_the_update(digits, tmp_path):
         "TRAIN.MIXED_PRECISION", "False",
     )  # fmt: skip
     parts = build_components(cfg, loaders=False)
-    torch.nn.init.normal_(parts.model.head.head_fc.weight)
-    before = [p.detach().clone() for p in parts.model.parameters()]
+    torch.nn.init.normal_(parts.trained.head.head_fc.weight)
+    before = [p.detach().clone() for p in parts.trained.parameters()]
     images = torch.randn(8, 3, 16, 16)
     train_step(parts, images, torch.arange(8))
     moved = [
-        (p.detach() - b).flatten() for p, b in zip(parts.model.parameters(), before)
+        (p.detach() - b).flatten() for p, b in zip(parts.trained.parameters(), before)
     ]
     # plain SGD, lr 1: the step is the clipped gradient, of global norm 1e-3
     assert torch.cat(moved).norm().item() == pytest.approx(1e-3, rel=1e-3)

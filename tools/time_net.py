@@ -203,7 +203,7 @@ def measure(cfg, args):
     record = {
         "config": args.cfg_file,
         "device": str(parts.device),
-        "precision": describe_precision(parts.mode, parts.half),
+        "precision": describe_precision(parts.mode, parts.half_dtype),
         "batch_per_process": batch,
         "processes": world,
         "fwd_ms": 1e3 * train["fwd_s"],

@@ -49,7 +49,7 @@ def synthetic_batch(
     prep = parts.train_prep if train else parts.test_prep
     if prep is not None:
         return prep(images.to(torch.uint8), labels)
-    dtype = input_dtype(parts.mode, parts.half)
+    dtype = input_dtype(parts.mode, parts.half_dtype)
     inputs = (images.float() / 255.0 - 0.45) / 0.225
     return inputs.to(parts.device, dtype), labels.to(parts.device)
 
@@ -60,15 +60,15 @@ def time_train(
     """Returns {fwd_s, fwd_bwd_s, step_s} per iteration (medians)."""
     cfg = parts.cfg
     inputs, targets = synthetic_batch(parts, batch_size, cfg.TRAIN.IM_SIZE)
-    model, device = parts.model, parts.device
+    model, device = parts.trained, parts.device
     model.train()
 
     def forward():
-        with torch.no_grad(), autocast(device.type, parts.mode, parts.half):
+        with torch.no_grad(), autocast(device.type, parts.mode, parts.half_dtype):
             model(inputs)
 
     def forward_backward():
-        with autocast(device.type, parts.mode, parts.half):
+        with autocast(device.type, parts.mode, parts.half_dtype):
             loss = F.cross_entropy(model(inputs).float(), targets)
         loss.backward()
         for p in model.parameters():
@@ -87,11 +87,11 @@ def time_train(
 def time_test(parts: Components, batch_size: int, warmup: int, iters: int) -> float:
     """Returns the median seconds of one evaluation batch."""
     inputs, _ = synthetic_batch(parts, batch_size, parts.cfg.TRAIN.IM_SIZE, train=False)
-    model = parts.model
+    model = parts.trained
     model.eval()
 
     def forward():
-        with torch.no_grad(), autocast(parts.device.type, parts.mode, parts.half):
+        with torch.no_grad(), autocast(parts.device.type, parts.mode, parts.half_dtype):
             model(inputs)
 
     seconds = _median_time(forward, parts.device, warmup, iters)
@@ -138,4 +138,4 @@ def train_flops(flops_per_image: float, batch_size: int) -> float:
 
 def compute_dtype(parts: Components) -> torch.dtype:
     """The dtype the matmuls run in: the half dtype in AMP modes, else fp32."""
-    return torch.float32 if parts.mode is AmpMode.FP32 else parts.half
+    return torch.float32 if parts.mode is AmpMode.FP32 else parts.half_dtype

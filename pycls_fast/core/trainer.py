@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+from yacs.config import CfgNode
 
 from pycls_fast.config import dump_cfg
 from pycls_fast.core import distributed
@@ -33,6 +34,7 @@ from pycls_fast.core.optimizer import construct_optimizer, lr_at, param_groups, 
 from pycls_fast.core.parallel import fsdp_enabled, parallelize, shard_model, unwrap
 from pycls_fast.core.precision import (
     AmpMode,
+    LossScaler,
     MasterWeights,
     autocast,
     describe_precision,
@@ -44,7 +46,11 @@ from pycls_fast.core.precision import (
 from pycls_fast.core.preemption import StopRequest
 from pycls_fast.core.run_lock import RunLock
 from pycls_fast.datasets.device import DeviceBatchTransform
-from pycls_fast.datasets.loader import construct_test_loader, construct_train_loader
+from pycls_fast.datasets.loader import (
+    ImageLoader,
+    construct_test_loader,
+    construct_train_loader,
+)
 from pycls_fast.errors import (
     NonFiniteLossError,
     OutDirInUseError,
@@ -59,24 +65,26 @@ logger = logging.getLogger(__name__)
 class Components:
     """Everything a training run is made of (built once, from the config)."""
 
-    cfg: object
+    cfg: CfgNode
     device: torch.device
     mode: AmpMode
-    half: torch.dtype
-    # The module trained (a DDP wrapper, or the model sharded in place by FSDP) and
-    # the model inside it (evaluated, updated into the EMA, saved).
+    # AMP.DTYPE: the half-precision dtype of the O1/O2/O3 modes (unused in fp32).
+    half_dtype: torch.dtype
+    # What forward and backward go through: a DDP wrapper, or the model itself
+    # sharded in place by FSDP (or the plain model in one process).
+    trained: torch.nn.Module
+    # The model inside it: evaluated, updated into the EMA, saved.
     model: torch.nn.Module
-    module: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    scaler: object
+    scaler: LossScaler
     master: MasterWeights | None = None
     ema: torch.nn.Module | None = None
-    train_loader: object = None
-    test_loader: object = None
+    train_loader: ImageLoader | None = None
+    test_loader: ImageLoader | None = None
     train_prep: DeviceBatchTransform | None = None
     test_prep: DeviceBatchTransform | None = None
     # The optimizer's parameters (fp32 masters under O2), for unscaling and clipping.
-    opt_params: list = field(default_factory=list)
+    opt_params: list[torch.Tensor] = field(default_factory=list)
 
 
 def seed_everything(seed):
@@ -161,9 +169,9 @@ def build_components(
         cfg=cfg,
         device=device,
         mode=mode,
-        half=half,
-        model=trained,
-        module=unwrap(trained),
+        half_dtype=half,
+        trained=trained,
+        model=unwrap(trained),
         optimizer=optimizer,
         scaler=loss_scaler(half if mode is not AmpMode.FP32 else torch.float32),
         master=master,
@@ -186,8 +194,8 @@ def train_step(parts, inputs, targets, weight=1.0):
     inputs: (B, 3, H, W) in the input dtype; targets: (B,) int64 or (B, classes)
     soft targets. `weight` scales the loss that is backpropagated (0: this rank only
     takes part in the collectives)."""
-    with autocast(parts.device.type, parts.mode, parts.half):
-        logits = parts.model(inputs)
+    with autocast(parts.device.type, parts.mode, parts.half_dtype):
+        logits = parts.trained(inputs)
     loss = F.cross_entropy(logits.float(), targets)
     parts.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
     if parts.master is not None:
@@ -212,7 +220,7 @@ def _step_without_images(parts):
     if distributed.world_size() == 1:
         return False
     size = parts.cfg.TRAIN.IM_SIZE
-    dtype = input_dtype(parts.mode, parts.half)
+    dtype = input_dtype(parts.mode, parts.half_dtype)
     blank = torch.zeros(1, 3, size, size, dtype=dtype, device=parts.device)
     label = torch.zeros(1, dtype=torch.long, device=parts.device)
     return train_step(parts, blank, label, weight=0.0)[2]
@@ -223,7 +231,7 @@ def _check_finite(parts, loss_value, epoch, it):
         return  # fp16 loss scaling handles overflow by skipping the step
     last = files.last_checkpoint(parts.cfg.OUT_DIR) or "none yet"
     hint = "lower OPTIM.BASE_LR"
-    if parts.half == torch.float16 and parts.mode is not AmpMode.FP32:
+    if parts.half_dtype == torch.float16 and parts.mode is not AmpMode.FP32:
         hint += ", or use AMP.DTYPE bf16"
     raise NonFiniteLossError(
         f"loss is {loss_value} at epoch {epoch + 1}, iteration {it + 1}; last good "
@@ -242,7 +250,7 @@ def _progress(total, enabled):
 
 def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
     """Trains one epoch (from `start_iter`); returns its train_epoch stats record."""
-    cfg, model = parts.cfg, parts.model
+    cfg, model = parts.cfg, parts.trained
     loader = parts.train_loader
     loader.set_epoch(epoch, start_batch=start_iter)
     iters = start_iter + len(loader)
@@ -265,7 +273,7 @@ def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
             loss_value, found_inf = float("nan"), _step_without_images(parts)
         skipped += int(found_inf)
         if parts.ema is not None and (it + 1) % cfg.OPTIM.EMA_UPDATE_PERIOD == 0:
-            update_ema(parts.module, parts.ema, ema_alpha(cfg, epoch))
+            update_ema(parts.model, parts.ema, ema_alpha(cfg, epoch))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}")
@@ -333,10 +341,10 @@ def _pad_sharded_forwards(parts, model, done):
         return
     most = int(distributed.all_reduce_max([float(done)])[0])
     size = parts.cfg.TRAIN.IM_SIZE
-    dtype = input_dtype(parts.mode, parts.half)
+    dtype = input_dtype(parts.mode, parts.half_dtype)
     blank = torch.zeros(1, 3, size, size, dtype=dtype, device=parts.device)
     for _ in range(most - done):
-        with autocast(parts.device.type, parts.mode, parts.half):
+        with autocast(parts.device.type, parts.mode, parts.half_dtype):
             model(blank)
 
 
@@ -348,7 +356,7 @@ def test_epoch(parts, model, epoch, kind="test_epoch"):
     meter = EpochMeter()
     for images, labels in parts.test_loader:
         inputs, labels = parts.test_prep(images, labels)
-        with autocast(parts.device.type, parts.mode, parts.half):
+        with autocast(parts.device.type, parts.mode, parts.half_dtype):
             logits = model(inputs)
         loss = F.cross_entropy(logits.float(), labels)
         top1, top5 = topk_errors(logits.float(), labels)
@@ -394,8 +402,8 @@ def _train(cfg, stop):
     logger.info(
         "model: %s params; precision %s; %s; %d train and %d test batches per "
         "epoch and rank",
-        f"{sum(p.numel() for p in parts.module.parameters()):,}",
-        describe_precision(parts.mode, parts.half),
+        f"{sum(p.numel() for p in parts.model.parameters()):,}",
+        describe_precision(parts.mode, parts.half_dtype),
         _parallel_name(cfg),
         len(parts.train_loader),
         len(parts.test_loader),
@@ -412,7 +420,7 @@ def _train(cfg, stop):
     results = {}
     if start_epoch >= cfg.OPTIM.MAX_EPOCH:
         logger.info("all %d epochs are done: evaluating the final weights", start_epoch)
-        results["test"] = test_epoch(parts, parts.module, start_epoch - 1)
+        results["test"] = test_epoch(parts, parts.model, start_epoch - 1)
         if parts.ema is not None:
             results["test_ema"] = test_epoch(
                 parts, parts.ema, start_epoch - 1, "test_ema_epoch"
@@ -424,7 +432,7 @@ def _train(cfg, stop):
         last_epoch = epoch + 1 == cfg.OPTIM.MAX_EPOCH
         manager.after_epoch(epoch)
         if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or last_epoch:
-            results["test"] = test_epoch(parts, parts.module, epoch)
+            results["test"] = test_epoch(parts, parts.model, epoch)
             manager.after_eval(epoch, results["test"]["top1_err"])
             if parts.ema is not None:
                 results["test_ema"] = test_epoch(
@@ -447,7 +455,7 @@ def test_model(cfg):
     parts = build_components(
         cfg, loaders=("test",), weights=cfg.TEST.WEIGHTS, use_ema=cfg.TEST.USE_EMA
     )
-    return test_epoch(parts, parts.module, cfg.OPTIM.MAX_EPOCH - 1)
+    return test_epoch(parts, parts.model, cfg.OPTIM.MAX_EPOCH - 1)
 
 
 def _parallel_name(cfg):

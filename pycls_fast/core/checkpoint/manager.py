@@ -61,7 +61,7 @@ def training_state(parts, epoch: int, iteration: int) -> dict:
     state = {
         **_meta(parts, epoch, iteration),
         **rank_states[0],
-        "model_state": parts.module.state_dict(),
+        "model_state": parts.model.state_dict(),
         "optimizer_state": parts.optimizer.state_dict(),
         "world_size": len(rank_states),
     }
@@ -96,7 +96,7 @@ def restore(parts, path: str):
         raise _wrong_layout(path, is_sharded)
     if is_sharded:
         try:
-            meta, own = sharded.load(path, parts.model, parts.optimizer, parts.ema)
+            meta, own = sharded.load(path, parts.trained, parts.optimizer, parts.ema)
         except CheckpointError:
             raise
         except (KeyError, RuntimeError, ValueError) as e:
@@ -105,7 +105,7 @@ def restore(parts, path: str):
     else:
         state = files.load_checkpoint(path)
         try:
-            parts.module.load_state_dict(state["model_state"])
+            parts.model.load_state_dict(state["model_state"])
             parts.optimizer.load_state_dict(state["optimizer_state"])
         except (KeyError, RuntimeError, ValueError) as e:
             raise _mismatch(path, e) from None
@@ -141,7 +141,7 @@ def save(parts, epoch: int, iteration: int):
             )
             sharded.save(
                 path,
-                parts.model,
+                parts.trained,
                 parts.optimizer,
                 parts.ema,
                 _meta(parts, epoch, iteration),
