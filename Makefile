@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-slow lint format demo sweep-demo bench bench-attention \
+.PHONY: setup test test-unit test-integration test-slow lint format demo sweep-demo bench bench-attention \
 	bench-loader bench-optimizer clean
 
 setup: $(STAMP)
@@ -15,8 +15,17 @@ $(STAMP): requirements.lock setup.py
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# Everything (what CI runs): lint, then unit and integration tests.
 test: setup lint
 	$(PY) -m pytest -q
+
+# In-process tests only (about a minute): tests/unit.
+test-unit: setup
+	$(PY) -m pytest -q tests/unit
+
+# Subprocesses, signals, process groups, benchmarks' smoke runs: tests/integration.
+test-integration: setup
+	$(PY) -m pytest -q tests/integration
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -3,21 +3,13 @@ values of the report, never timings)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from benchmarks.ladder import rung_configs
-
-from .conftest import ROOT
+from tests.helpers import ROOT, run_benchmark
 
 EXAMPLE = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
-
-
-def _run(*args):
-    cmd = [sys.executable, "-m", "benchmarks.ladder", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def test_each_rung_adds_one_optimization_to_the_one_before():
@@ -42,7 +34,7 @@ def test_each_rung_adds_one_optimization_to_the_one_before():
 
 def test_tiny_ladder_report(tmp_path):
     chart = tmp_path / "ladder.png"
-    result = _run(
+    result = run_benchmark("ladder",
         "--cfg", EXAMPLE, "--batch", "2", "--rounds", "1", "--iters", "1",
         "--warmup", "0", "--steps", "baseline,amp,pooled,loader", "--peers", "timm",
         "--workers", "1", "--plot", str(chart), "--json",
@@ -89,12 +81,12 @@ def test_tiny_ladder_report(tmp_path):
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, message):
-    result = _run("--cfg", EXAMPLE, *args)
+    result = run_benchmark("ladder", "--cfg", EXAMPLE, *args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}")
 
 
 def test_help():
-    result = _run("--help")
+    result = run_benchmark("ladder", "--help")
     assert result.returncode == 0 and "baseline" in result.stdout

@@ -16,8 +16,7 @@ from pycls_fast.config import load_cfg, with_overrides
 from pycls_fast.core import distributed, launch
 from pycls_fast.core.logging import load_json_stats
 from pycls_fast.errors import ConfigError, RankFailedError
-
-from .conftest import DIGITS_CFG, ROOT, TINY
+from tests.helpers import DIGITS_CFG, ROOT, TINY
 
 pytestmark = pytest.mark.slow
 

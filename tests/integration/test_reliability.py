@@ -19,8 +19,7 @@ from pycls_fast.core.logging import load_json_stats
 from pycls_fast.core.run_lock import OutDirInUseError, RunLock
 from pycls_fast.core.trainer import train_model
 from pycls_fast.errors import UserError
-
-from .conftest import DIGITS_CFG, ROOT
+from tests.helpers import DIGITS_CFG, ROOT
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 

@@ -20,8 +20,7 @@ from pycls_fast.sweep.config import load_sweep_cfg, sweep_dir
 from pycls_fast.sweep.launcher import Job, LocalBackend, launch_sweep
 from pycls_fast.sweep.report import analyze_sweep
 from pycls_fast.sweep.setup import load_forks, sample_forks, setup_sweep
-
-from .conftest import DIGITS_CFG, ROOT, TINY
+from tests.helpers import DIGITS_CFG, ROOT, TINY
 
 TRAIN_NET = os.path.join(ROOT, "tools/train_net.py")
 

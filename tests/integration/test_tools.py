@@ -2,47 +2,33 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from pycls_fast.config_doc import undocumented
 from pycls_fast.models.timm_compat import build_timm_vit
-
-from .conftest import ROOT, TINY, tiny_cfg
+from tests.helpers import ROOT, TINY, run_benchmark, run_tool, tiny_cfg
 
 EXAMPLE = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
-
-
-def _tool(name, *args):
-    cmd = [sys.executable, os.path.join(ROOT, "tools", name), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-
-
-def _bench(name, *args):
-    """Runs `python -m benchmarks.<name>` from the repository root, as make does."""
-    cmd = [sys.executable, "-m", f"benchmarks.{name}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 @pytest.mark.parametrize(
     "name", ["info_net.py", "convert_weights.py", "gen_config_doc.py"]
 )
 def test_help(name):
-    result = _tool(name, "--help")
+    result = run_tool(name, "--help")
     assert result.returncode == 0 and "usage:" in result.stdout
 
 
 @pytest.mark.parametrize("name", ["attention", "loader", "optimizer"])
 def test_bench_help(name):
-    result = _bench(name, "--help")
+    result = run_benchmark(name, "--help")
     assert result.returncode == 0 and "usage:" in result.stdout
 
 
 def test_info_net_json():
-    result = _tool("info_net.py", "--cfg", "configs/pycls/ViT-P-18GF.yaml", "--json")
+    result = run_tool("info_net.py", "--cfg", "configs/pycls/ViT-P-18GF.yaml", "--json")
     assert result.returncode == 0, result.stderr
     (line,) = result.stdout.strip().splitlines()  # only JSON: it pipes into jq
     record = json.loads(line)
@@ -53,14 +39,14 @@ def test_info_net_json():
 
 def test_info_net_one_line_per_config():
     configs = ["configs/pycls/ViT-P-18GF.yaml", "configs/vit/ViT-B-16.yaml"]
-    result = _tool(
+    result = run_tool(
         "info_net.py", "--cfg", configs[0], "--cfg", configs[1], "--summary",
         "MODEL.NUM_CLASSES", "10",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == ["ViT-P-18GF", "ViT-B-16"]
-    as_json = _tool(
+    as_json = run_tool(
         "info_net.py", "--cfg", configs[0], "--cfg", configs[1], "--json",
         "MODEL.NUM_CLASSES", "10",
     )  # fmt: skip
@@ -71,7 +57,7 @@ def test_info_net_one_line_per_config():
 
 
 def test_info_net_prints_the_model_without_flags():
-    result = _tool("info_net.py", "--cfg", "configs/vit/ViT-Ti-16.yaml")
+    result = run_tool("info_net.py", "--cfg", "configs/vit/ViT-Ti-16.yaml")
     assert result.returncode == 0, result.stderr
     assert "ViTEncoderBlock" in result.stdout
     assert result.stdout.strip().splitlines()[-1].startswith("ViT-Ti-16: params")
@@ -89,7 +75,7 @@ def test_info_net_prints_the_model_without_flags():
     ],
 )
 def test_user_mistakes_exit_2_with_one_line(args, message):
-    result = _tool("info_net.py", *args)
+    result = run_tool("info_net.py", *args)
     assert result.returncode == 2
     assert result.stderr.strip() == result.stderr.strip().splitlines()[0]
     assert message in result.stderr
@@ -99,7 +85,7 @@ def test_user_mistakes_exit_2_with_one_line(args, message):
 @pytest.mark.parametrize("mode", ["slurm", "submitit_local"])
 def test_unimplemented_launch_mode_is_refused_before_any_work(tmp_path, mode):
     out = tmp_path / "out"
-    result = _tool(
+    result = run_tool(
         "train_net.py", "--cfg", EXAMPLE, "LAUNCH.MODE", mode, "OUT_DIR", str(out)
     )
     assert result.returncode == 2
@@ -112,7 +98,7 @@ def test_unimplemented_launch_mode_is_refused_before_any_work(tmp_path, mode):
 
 
 def test_config_doc_is_current_and_complete():
-    result = _tool("gen_config_doc.py", "--check")
+    result = run_tool("gen_config_doc.py", "--check")
     assert result.returncode == 0, result.stdout
     assert undocumented() == []
 
@@ -124,11 +110,13 @@ def test_convert_weights_files_round_trip(tmp_path):
     torch.save({"state_dict": timm_model.state_dict()}, src)
     ours, back = tmp_path / "ours.pyth", tmp_path / "back.pth"
     opts = ["--cfg", EXAMPLE, *TINY, "VIT.CLASSIFIER_TYPE", "token"]
-    result = _tool("convert_weights.py", "--src", str(src), "--dst", str(ours), *opts)
+    result = run_tool(
+        "convert_weights.py", "--src", str(src), "--dst", str(ours), *opts
+    )
     assert result.returncode == 0, result.stderr
     checkpoint = torch.load(ours, weights_only=True)
     assert "encoder.block_1.mlp_block.linear_2.weight" in checkpoint["model_state"]
-    result = _tool(
+    result = run_tool(
         "convert_weights.py", "--src", str(ours), "--dst", str(back), "--to-timm", *opts
     )
     assert result.returncode == 0, result.stderr
@@ -138,14 +126,14 @@ def test_convert_weights_files_round_trip(tmp_path):
 
 
 def test_convert_weights_bad_input(tmp_path):
-    result = _tool(
+    result = run_tool(
         "convert_weights.py", "--cfg", EXAMPLE, "--src", "nope.pth", "--dst", "x.pth"
     )
     assert result.returncode == 2 and "no such file: nope.pth" in result.stderr
     src = tmp_path / "ours.pth"
     torch.save(build_timm_vit(tiny_cfg()).state_dict(), src)
     dst = tmp_path / "out.pyth"
-    result = _tool(
+    result = run_tool(
         "convert_weights.py", "--cfg", EXAMPLE, "--src", str(src), "--dst", str(dst)
     )  # the tiny timm model does not fit the example config's dimensions
     assert result.returncode == 2 and "VIT.CLASSIFIER_TYPE is 'pooled'" in result.stderr
@@ -155,7 +143,7 @@ def test_convert_weights_bad_input(tmp_path):
 def test_bench_loader_runs_every_mode_on_the_same_images(tmp_path):
     # A tiny run of `make bench-loader`: every mode decodes the same 64 images (the
     # tool asserts the counts), ratios and CPU figures come out, memory is skipped.
-    result = _bench(
+    result = run_benchmark(
         "loader",
         "--gen-dir",
         str(tmp_path / "jpegs"),

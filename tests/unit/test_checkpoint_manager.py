@@ -22,8 +22,7 @@ from pycls_fast.core.launch import launch
 from pycls_fast.core.logging import load_json_stats
 from pycls_fast.core.trainer import train_model
 from pycls_fast.datasets.device import DeviceBatchTransform
-
-from .conftest import DIGITS_CFG
+from tests.helpers import DIGITS_CFG
 
 
 def test_epoch_cadence_saves_every_period_and_the_last_epoch():

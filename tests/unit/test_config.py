@@ -21,8 +21,7 @@ from pycls_fast.config import (
     load_cfg,
     with_overrides,
 )
-
-from .conftest import ROOT
+from tests.helpers import ROOT
 
 PYCLS_VIT = os.path.join(ROOT, "tests", "data", "pycls_vit_p_4gf.yaml")
 DIGITS = os.path.join(ROOT, "configs", "examples", "vit_digits.yaml")

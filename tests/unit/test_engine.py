@@ -15,8 +15,7 @@ from pycls_fast.core.optimizer import (
 from pycls_fast.core.precision import AmpMode, describe_precision, resolve_amp
 from pycls_fast.core.trainer import build_components, train_step
 from pycls_fast.models import build_model
-
-from .conftest import tiny_cfg
+from tests.helpers import tiny_cfg
 
 MODES = [
     ("fp32", "bf16"),

@@ -6,8 +6,7 @@ import torch
 from pycls_fast.config import ConfigError
 from pycls_fast.models import build_model
 from pycls_fast.models.timm_compat import build_timm_vit, from_timm, to_timm
-
-from .conftest import tiny_cfg
+from tests.helpers import tiny_cfg
 
 
 def _random_timm(cfg):

@@ -1,12 +1,9 @@
 """The training loop end to end on the digits folder: learning, logs, checkpoints,
 exact resume, test_net, and the errors a user can cause."""
 
-import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,8 +20,7 @@ from pycls_fast.core.trainer import (
     train_model,
     train_step,
 )
-
-from .conftest import DIGITS_CFG, ROOT
+from tests.helpers import DIGITS_CFG, ROOT
 
 TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
 
@@ -125,89 +121,6 @@ def test_non_finite_loss_stops_with_a_hint(digits, tmp_path):
     cfg = _cfg(digits, tmp_path, "OPTIM.BASE_LR", "1e30", "OPTIM.WARMUP_EPOCHS", "0")
     with pytest.raises(NonFiniteLossError, match="lower OPTIM.BASE_LR"):
         train_model(cfg)
-
-
-def _tool(name, *args):
-    cmd = [sys.executable, os.path.join(ROOT, "tools", name), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-
-
-SMALL = [
-    "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "VIT.NUM_LAYERS", "1",
-    "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64", "OPTIM.MAX_EPOCH", "1",
-]  # fmt: skip
-
-
-def test_train_net_and_test_net(digits, tmp_path):
-    out = str(tmp_path / "run")
-    common = ["--cfg", DIGITS_CFG, "DATA.PATH", digits, *SMALL]
-    result = _tool("train_net.py", *common, "OUT_DIR", out)
-    assert result.returncode == 0, result.stderr
-    assert "final top-1 accuracy:" in result.stdout
-    result = _tool("plot_log.py", out)
-    assert result.returncode == 0, result.stderr
-    with open(os.path.join(out, "plots.png"), "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    weights = os.path.join(out, "checkpoints", "model_epoch_0001.pyth")
-    result = _tool(
-        "test_net.py", *common, "OUT_DIR", out + "_test", "TEST.WEIGHTS", weights
-    )
-    assert result.returncode == 0, result.stderr
-    assert "(359 images)" in result.stdout
-    # Weights of another model: one clear line, exit 2.
-    result = _tool(
-        "test_net.py", *common, "VIT.HIDDEN_DIM", "48", "OUT_DIR", out + "_bad",
-        "TEST.WEIGHTS", weights,
-    )  # fmt: skip
-    assert result.returncode == 2
-    assert (
-        "does not fit this model" in result.stderr and "Traceback" not in result.stderr
-    )
-
-
-@pytest.mark.parametrize(
-    "opts, message",
-    [
-        (["DATA.PATH", "/nonexistent/data"], "/nonexistent/data"),
-        (["TEST.WEIGHTS", "/nonexistent/w.pyth"], "checkpoint not found"),
-        (["OUT_DIR", "/proc/nope"], "OUT_DIR /proc/nope is not writable"),
-        # Checked once before the ranks start: one line, not one per rank.
-        (
-            ["NUM_GPUS", "2", "DATA.PATH", "/nonexistent/data"],
-            "error: DATA.PATH folder not found: /nonexistent/data",
-        ),
-    ],
-)
-def test_user_mistakes_are_one_line_exit_2(digits, tmp_path, opts, message):
-    tool = "test_net.py" if "TEST.WEIGHTS" in opts else "train_net.py"
-    args = ["--cfg", DIGITS_CFG, "DATA.PATH", digits, "OUT_DIR", str(tmp_path), *SMALL]
-    result = _tool(tool, *args, *opts)
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "rank" not in result.stderr
-
-
-def test_time_net_json(tmp_path):
-    result = _tool(
-        "time_net.py", "--cfg", TINY_CFG, "--json", "--loader-batches", "1",
-        "TRAIN.BATCH_SIZE", "8", "TEST.BATCH_SIZE", "8",
-        "PREC_TIME.NUM_ITER", "2", "PREC_TIME.WARMUP_ITER", "1",
-        "OUT_DIR", str(tmp_path),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    record = json.loads(result.stdout.strip().splitlines()[-1])
-    for key in ("train_img_per_s", "test_img_per_s", "loader_img_per_s", "mfu"):
-        assert record[key] > 0, key
-    assert record["epoch_time_s"] == pytest.approx(
-        1_281_167 / min(record["train_img_per_s"], record["loader_img_per_s"])
-    )
-    assert 0 < record["mfu"] < 1
-
-
-def test_plot_log_without_a_log_is_a_clear_error(tmp_path):
-    result = _tool("plot_log.py", str(tmp_path))
-    assert result.returncode == 2 and "no log in" in result.stderr
 
 
 def test_grad_clip_bounds_the_update(digits, tmp_path):

@@ -14,8 +14,7 @@ from pycls_fast.config import load_cfg
 from pycls_fast.core import trainer
 from pycls_fast.core.checkpoint import files, sharded
 from pycls_fast.errors import CheckpointError
-
-from .conftest import DIGITS_CFG, ROOT
+from tests.helpers import DIGITS_CFG, ROOT
 
 
 class _Planted:

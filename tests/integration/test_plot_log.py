@@ -9,8 +9,7 @@ import pytest
 from pycls_fast.core.logging import dump_json_stats
 from pycls_fast.core.plots import curves, read_run, resume_points
 from pycls_fast.errors import UserError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT  # noqa: E402
 
 
 def _epoch(kind, epoch, loss, top1, top5, **extra):

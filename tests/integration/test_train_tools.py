@@ -1,0 +1,89 @@
+"""train_net, test_net, time_net and plot_log as a user runs them: subprocesses,
+their output, exit statuses and one-line errors."""
+
+import json
+import os
+
+import pytest
+
+from tests.helpers import DIGITS_CFG, ROOT, run_tool
+
+TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
+
+
+SMALL = [
+    "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "VIT.NUM_LAYERS", "1",
+    "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64", "OPTIM.MAX_EPOCH", "1",
+]  # fmt: skip
+
+
+def test_train_net_and_test_net(digits, tmp_path):
+    out = str(tmp_path / "run")
+    common = ["--cfg", DIGITS_CFG, "DATA.PATH", digits, *SMALL]
+    result = run_tool("train_net.py", *common, "OUT_DIR", out)
+    assert result.returncode == 0, result.stderr
+    assert "final top-1 accuracy:" in result.stdout
+    result = run_tool("plot_log.py", out)
+    assert result.returncode == 0, result.stderr
+    with open(os.path.join(out, "plots.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    weights = os.path.join(out, "checkpoints", "model_epoch_0001.pyth")
+    result = run_tool(
+        "test_net.py", *common, "OUT_DIR", out + "_test", "TEST.WEIGHTS", weights
+    )
+    assert result.returncode == 0, result.stderr
+    assert "(359 images)" in result.stdout
+    # Weights of another model: one clear line, exit 2.
+    result = run_tool(
+        "test_net.py", *common, "VIT.HIDDEN_DIM", "48", "OUT_DIR", out + "_bad",
+        "TEST.WEIGHTS", weights,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert (
+        "does not fit this model" in result.stderr and "Traceback" not in result.stderr
+    )
+
+
+@pytest.mark.parametrize(
+    "opts, message",
+    [
+        (["DATA.PATH", "/nonexistent/data"], "/nonexistent/data"),
+        (["TEST.WEIGHTS", "/nonexistent/w.pyth"], "checkpoint not found"),
+        (["OUT_DIR", "/proc/nope"], "OUT_DIR /proc/nope is not writable"),
+        # Checked once before the ranks start: one line, not one per rank.
+        (
+            ["NUM_GPUS", "2", "DATA.PATH", "/nonexistent/data"],
+            "error: DATA.PATH folder not found: /nonexistent/data",
+        ),
+    ],
+)
+def test_user_mistakes_are_one_line_exit_2(digits, tmp_path, opts, message):
+    tool = "test_net.py" if "TEST.WEIGHTS" in opts else "train_net.py"
+    args = ["--cfg", DIGITS_CFG, "DATA.PATH", digits, "OUT_DIR", str(tmp_path), *SMALL]
+    result = run_tool(tool, *args, *opts)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "rank" not in result.stderr
+
+
+def test_time_net_json(tmp_path):
+    result = run_tool(
+        "time_net.py", "--cfg", TINY_CFG, "--json", "--loader-batches", "1",
+        "TRAIN.BATCH_SIZE", "8", "TEST.BATCH_SIZE", "8",
+        "PREC_TIME.NUM_ITER", "2", "PREC_TIME.WARMUP_ITER", "1",
+        "OUT_DIR", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("train_img_per_s", "test_img_per_s", "loader_img_per_s", "mfu"):
+        assert record[key] > 0, key
+    assert record["epoch_time_s"] == pytest.approx(
+        1_281_167 / min(record["train_img_per_s"], record["loader_img_per_s"])
+    )
+    assert 0 < record["mfu"] < 1
+
+
+def test_plot_log_without_a_log_is_a_clear_error(tmp_path):
+    result = run_tool("plot_log.py", str(tmp_path))
+    assert result.returncode == 2 and "no log in" in result.stderr
