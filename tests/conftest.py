@@ -1,10 +1,20 @@
-"""Shared test helpers: tiny configs, seeded."""
+"""Shared test helpers: tiny configs, seeded; the tests run on the CPU.
+
+The suite pins itself to the CPU (CUDA_VISIBLE_DEVICES="" for this process and the
+processes it starts), so a GPU node runs the same tests as a laptop. `--gpu` or
+PYCLS_FAST_TEST_GPU=1 leaves the GPUs visible and runs the tests marked `gpu` too.
+"""
 
 import os
 import sys
 
-import pytest
-import torch
+GPU_TESTS = "--gpu" in sys.argv or os.environ.get("PYCLS_FAST_TEST_GPU") == "1"
+if not GPU_TESTS:
+    # Before torch initializes CUDA (lazily, at the first CUDA call).
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -30,6 +40,27 @@ TINY = [
 def tiny_cfg(*opts):
     """A checked config for a tiny ViT (32 px, 8 px patches, width 48, 2 blocks)."""
     return load_cfg(None, TINY + list(opts))
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--gpu",
+        action="store_true",
+        help="leave the GPUs visible and run the tests marked gpu",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU_TESTS and torch.cuda.is_available():
+        return
+    reason = (
+        "no CUDA device visible"
+        if GPU_TESTS
+        else "GPU test: run with --gpu or PYCLS_FAST_TEST_GPU=1 on a GPU node"
+    )
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)
