@@ -34,7 +34,7 @@ from pycls_fast.core import distributed, timing
 from pycls_fast.core.cli import cfg_from_args, config_parser, run
 from pycls_fast.core.launch import launch
 from pycls_fast.core.parallel import state_bytes
-from pycls_fast.core.precision import describe_precision
+from pycls_fast.core.precision import apply_backend_flags, describe_precision
 from pycls_fast.core.trainer import (
     build_components,
     seed_everything,
@@ -79,6 +79,7 @@ def compare_parallel(cfg, modes, rounds):
     """Times the training step of each of `modes` ('ddp', 'fsdp') on this rank,
     interleaved over `rounds`; returns one record per mode, with every rank's figures
     (on rank 0)."""
+    apply_backend_flags(cfg)
     world = distributed.world_size()
     batch = cfg.TRAIN.BATCH_SIZE // world
     built = {}
@@ -183,6 +184,7 @@ def main():
 
 def measure(cfg, args):
     """The step, evaluation, loader and MFU figures of this config (this rank)."""
+    apply_backend_flags(cfg)
     seed_everything(cfg.RNG_SEED)
     parts = build_components(cfg, loaders=False)
     world = distributed.world_size()
