@@ -22,3 +22,16 @@ def test_lighting_is_drawn_on_the_cuda_device():
     x, _ = prep(_images(), torch.tensor([1, 2, 3, 0]))
     assert x.is_cuda
     prep.load_state_dict(prep.state_dict())
+
+
+def test_prefetcher_on_a_side_stream_matches_the_plain_transform():
+    from pycls_fast.datasets.prefetch import DevicePrefetcher
+    from tests.test_datasets_prefetch import _Loader
+
+    cfg = _cfg()
+    cfg.TRAIN.PCA_STD = 0.0  # no random draws: both paths give the same values
+    plain = DeviceBatchTransform(cfg, "cuda")
+    expected = [plain(x, y) if len(y) else (x, y) for x, y in _Loader()]
+    got = list(DevicePrefetcher(_Loader(), DeviceBatchTransform(cfg, "cuda")))
+    for (gx, gy), (ex, ey) in zip(got, expected):
+        assert torch.equal(gx.cpu(), ex.cpu()) and torch.equal(gy.cpu(), ey.cpu())
