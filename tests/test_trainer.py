@@ -203,7 +203,7 @@ def test_time_net_json(tmp_path):
 def test_time_net_keeps_to_its_budget_and_shows_progress(tmp_path):
     start = time.monotonic()
     result = _tool(
-        "time_net.py", "--cfg", TINY_CFG, "--json", "--seconds", "4",
+        "time_net.py", "--cfg", TINY_CFG, "--json", "--seconds", "10",
         "--loader-batches", "1", "TRAIN.BATCH_SIZE", "8", "TEST.BATCH_SIZE", "8",
         "PREC_TIME.NUM_ITER", "100000", "OUT_DIR", str(tmp_path),
     )  # fmt: skip

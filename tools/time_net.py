@@ -71,8 +71,8 @@ def loader_throughput(cfg, batches, budget_s=None):
         return timing.time_loader(loader, batches, budget_s=budget_s), cfg.DATA.PATH
     from pycls_fast.datasets.synthetic import make_image_folder
 
-    per_rank = cfg.TRAIN.BATCH_SIZE // distributed.world_size()
-    images = per_rank * (batches + 2)
+    # Every rank reads its shard of the folder: enough for all of them.
+    images = cfg.TRAIN.BATCH_SIZE * (batches + 2)
     progress(f"loader: writing {images} JPEGs, then up to {batches} batches")
     with tempfile.TemporaryDirectory() as root:
         make_image_folder(root, splits=("train",), num_classes=4,

@@ -92,6 +92,13 @@ def _median_time(
     if budget_s is not None:
         # The probe is the first warm-up call (it also pays for first-call costs).
         per_call = _seconds(fn, device)
+        if 2 * per_call > budget_s:
+            _say(
+                progress,
+                f"{name}: one call takes {per_call:.1f} s, over its "
+                f"{budget_s:.0f} s share: that call is the figure (no warm-up)",
+            )
+            return per_call
         warmup, iters = _plan(name, per_call, warmup, iters, budget_s, progress)
         warmup = max(0, warmup - 1)
     for _ in range(warmup):
@@ -160,8 +167,16 @@ def time_train(
     phases = {"fwd_s": forward, "fwd_bwd_s": forward_backward, "step_s": step}
     reset_peak_memory(device)
     if budget_s is not None:
-        # One untimed round: first-call costs, and the size of a round.
-        per_round = sum(_seconds(fn, device) for fn in phases.values())
+        # One probe round: first-call costs, and the size of a round.
+        probe = {name: _seconds(fn, device) for name, fn in phases.items()}
+        per_round = sum(probe.values())
+        if 2 * per_round > budget_s:
+            _say(
+                progress,
+                f"train: one round takes {per_round:.1f} s, over its "
+                f"{budget_s:.0f} s share: that round is the figure (no warm-up)",
+            )
+            return {**probe, "gpu_peak_mb": peak_memory_mb(device)}
         warmup, iters = _plan(
             "train (forward, forward+backward, step)",
             per_round,
@@ -218,8 +233,11 @@ def time_loader(
     when `budget_s` seconds have passed)."""
     loader.set_epoch(0)
     it = iter(loader)
-    for _ in range(warmup):
-        next(it)
+    try:
+        for _ in range(warmup):
+            next(it)
+    except StopIteration:
+        raise ValueError("the loader has fewer batches than the warm-up") from None
     images, start = 0, time.perf_counter()
     for _ in range(batches):
         try:
