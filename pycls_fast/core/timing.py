@@ -53,7 +53,7 @@ def fit_budget(
 ) -> tuple[int, int]:
     """(warmup, iters) scaled down so that warmup + iters calls of
     `seconds_per_call` take about `budget_s` (None: unchanged); at least one timed
-    call, warm-up shrinks first."""
+    call, and one warm-up call when there is room for it."""
     if budget_s is None or (warmup + iters) * seconds_per_call <= budget_s:
         return warmup, iters
     calls = max(1, int(budget_s / max(seconds_per_call, 1e-9)))
