@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-unit test-integration test-slow lint format demo sweep-demo bench bench-attention \
+.PHONY: setup test test-unit test-integration test-slow lint format demo sweep-demo \
+	check-node bench bench-attention \
 	bench-loader bench-optimizer clean
 
 setup: $(STAMP)
@@ -58,6 +59,10 @@ sweep-demo: setup
 # Scenario tests marked slow (also part of `make test`), alone.
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# Checks a new node: devices, AMP modes, DDP vs FSDP, all-reduce, matmul peaks, loader.
+check-node: setup
+	$(PY) tools/check_node.py
 
 # Benchmarks (benchmarks/, run from here, not installed); figures: docs/PERFORMANCE.md.
 # The optimization ladder and its timm peers on ViT-P-4GF dims (a few minutes on 2 cores).

@@ -42,7 +42,7 @@ from benchmarks.harness import interleave
 from pycls_fast.config import load_cfg, with_overrides
 from pycls_fast.core import distributed, timing
 from pycls_fast.core.cli import run
-from pycls_fast.core.precision import input_dtype
+from pycls_fast.core.precision import apply_backend_flags, fp32_math, input_dtype
 from pycls_fast.core.trainer import (
     build_components,
     seed_everything,
@@ -296,6 +296,8 @@ def print_table(rows, peaks, args):
         f"steps, torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{platform.processor() or platform.machine()}"
     )
+    # The fp32 baseline's matmuls: TF32 tensor cores or IEEE fp32 (AMP.TF32, CUDA).
+    print(f"  fp32 matmuls on CUDA: {fp32_math()} (AMP.TF32)")
     for d, f in peaks.items():
         print(f"  matmul peak {str(d).replace('torch.', '')}: {f / 1e9:.0f} GFLOP/s")
     print()
@@ -376,6 +378,7 @@ def main():
     if not args.chosen and not peers:
         raise UserError("nothing to run: --steps and --peers are both empty")
     rungs = rung_configs(args.cfg_file, args.opts, args.batch)
+    apply_backend_flags(rungs[0][2])  # AMP.TF32, CUDNN.BENCHMARK: once per process
     device = distributed.device()  # where build_components puts the rungs
     with tempfile.TemporaryDirectory() as root:
         if "loader" in args.chosen:
@@ -423,6 +426,7 @@ def main():
             "iters": args.iters,
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "fp32_math": fp32_math(),
             "matmul_peak_gflops": {str(d): f / 1e9 for d, f in peaks.items()},
             "rows": rows,
             **summary,

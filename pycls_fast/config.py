@@ -331,7 +331,8 @@ _key("VIT.LAYOUT", "batch_second", choices=["batch_second", "batch_first"])
 # pycls_fast: attention kernel, 'auto' (fastest measured for the device and dtype),
 # 'sdpa' (torch scaled_dot_product_attention, backend picked by torch), 'sdpa_flash',
 # 'sdpa_math', 'sdpa_efficient', 'sdpa_cudnn' (one SDPA backend) or 'explicit'
-# (matmul, softmax, matmul)
+# (matmul, softmax, matmul). 'sdpa_flash' and 'sdpa_cudnn' take fp16 / bf16 inputs
+# on CUDA only, so they are refused with AMP.MODE 'fp32' (`ATTENTION_NEEDS_HALF`)
 _key(
     "VIT.ATTENTION",
     "auto",
@@ -345,6 +346,9 @@ _key(
         "explicit",
     ],
 )
+
+# The attention kernels that need half-precision inputs (checked in check_cfg).
+ATTENTION_NEEDS_HALF = ("sdpa_flash", "sdpa_cudnn")
 
 # pycls_fast: stochastic depth rate of the last block (linearly increasing from 0)
 _key("VIT.DROP_PATH", 0.0, ge=0, lt=1)
@@ -608,6 +612,11 @@ _key("AMP.DTYPE", "bf16", choices=["bf16", "fp16"])
 # FSDP.LAYER_NORM_FP32
 _key("AMP.LAYER_NORM_FP32", True)
 
+# fp32 matmuls and convolutions on CUDA use TF32 tensor cores (10-bit mantissa
+# inputs, fp32 accumulation), as most training codebases do; False keeps IEEE fp32.
+# GPU only (Ampere and later); set once per process (precision.apply_backend_flags)
+_key("AMP.TF32", True)
+
 
 # ---------------------------------- CUDNN options ----------------------------------- #
 _C.CUDNN = CfgNode()
@@ -734,7 +743,7 @@ _key("LOG_DEST", "stdout", choices=["stdout", "file"])
 _key("LOG_PERIOD", 10, gt=0)
 
 # Distributed backend ('nccl' on GPUs; CPU runs always use 'gloo')
-_key("DIST_BACKEND", "nccl")
+_key("DIST_BACKEND", "nccl", choices=["nccl", "gloo", "mpi", "ucc"])
 
 # Hostname for multi-process groups outside torchrun
 _key("HOST", "localhost")
@@ -1073,6 +1082,7 @@ def check_cfg(cfg: CfgNode) -> None:
             raise ConfigError(message)
     _refuse(cfg, at_launch=False)
     _check_vit(cfg.VIT, cfg.TRAIN.IM_SIZE)
+    _check_attention(cfg)
     if cfg.OPTIM.LR_POLICY == "steps" and not cfg.OPTIM.STEPS:
         raise ConfigError("OPTIM.STEPS must be set when OPTIM.LR_POLICY is 'steps'")
     for key in ("TRAIN.BATCH_SIZE", "TEST.BATCH_SIZE"):
@@ -1088,6 +1098,19 @@ def check_launch(cfg: CfgNode) -> None:
     what pycls_fast does not implement (LAUNCH.MODE 'slurm'); the tools call it (via
     core/launch.py) before any work starts."""
     _refuse(cfg, at_launch=True)
+
+
+def _check_attention(cfg: CfgNode) -> None:
+    """Refuses a half-precision-only attention kernel in an fp32 run (it would fail
+    at the first step on a GPU: "No available kernel")."""
+    kernel = cfg.VIT.ATTENTION
+    if kernel in ATTENTION_NEEDS_HALF and (cfg.AMP.MODE or legacy_amp_mode(cfg)) == (
+        "fp32"
+    ):
+        raise ConfigError(
+            f"VIT.ATTENTION {kernel!r} needs fp16 / bf16 inputs, but AMP.MODE is "
+            "'fp32': set AMP.MODE O1, O2 or O3, or VIT.ATTENTION 'sdpa' or 'auto'"
+        )
 
 
 def _check_vit(vit: CfgNode, im_size: int) -> None:

@@ -32,6 +32,11 @@ class ConfigError(UserError, ValueError):
     """A mistake in a config file or override: one line naming the key."""
 
 
+class DeviceError(ConfigError):
+    """The devices the config or launcher asks for cannot be used (no GPU visible,
+    a driver too old for this torch build, two ranks on one GPU); says how to fix."""
+
+
 class CheckpointError(UserError):
     """A checkpoint that cannot be used: missing, truncated, from another model, or
     holding objects that loading would have to execute."""

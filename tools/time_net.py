@@ -11,10 +11,16 @@ and dtype measured in the same run, and the projected time of one ImageNet-1k ep
 (1,281,167 images) at the slower of the step and the loader. With --json the last line
 is one JSON object of these figures.
 
+Keeps to a time budget (--seconds, default 60): one untimed call per phase sizes its
+warm-up and timed counts (PREC_TIME.WARMUP_ITER / NUM_ITER are upper bounds), and a
+line per phase on stderr says what it will take. A DATA.PATH that does not exist is
+refused at once (leave DATA.PATH empty to time the loader on generated JPEGs).
+
 Runs as train_net does: one process, `NUM_GPUS N`, or under torchrun. With
 `--parallel ddp,fsdp` it instead times the training step of DDP and of FSDP side by
 side (interleaved rounds, medians) and reports per-rank and total img/s, the
-parameter + optimizer-state bytes each rank holds, and each rank's peak RSS:
+parameter + optimizer-state bytes each rank holds, each rank's peak host RSS and, on
+CUDA, each rank's peak GPU memory:
 
     torchrun --nproc_per_node 2 tools/time_net.py --cfg FILE --parallel ddp,fsdp
 """
@@ -24,6 +30,7 @@ import json
 import platform
 import resource
 import statistics
+import sys
 import tempfile
 import time
 
@@ -34,30 +41,44 @@ from pycls_fast.core import distributed, timing
 from pycls_fast.core.cli import cfg_from_args, config_parser, run
 from pycls_fast.core.launch import launch
 from pycls_fast.core.parallel import state_bytes
-from pycls_fast.core.precision import describe_precision
+from pycls_fast.core.precision import apply_backend_flags, describe_precision
 from pycls_fast.core.trainer import (
     build_components,
     seed_everything,
     train_step,
 )
-from pycls_fast.datasets.loader import construct_train_loader
+from pycls_fast.datasets.loader import check_data, construct_train_loader
 from pycls_fast.errors import UserError
 from pycls_fast.models import complexity
 
+# Shares of --seconds: the train step, evaluation, the loader (the matmul peak and
+# the model build take the rest).
+SHARES = {"train": 0.45, "test": 0.2, "loader": 0.2}
 
-def loader_throughput(cfg, batches):
+
+def progress(line):
+    """One line of progress on stderr (rank 0)."""
+    if distributed.is_main():
+        print(f"time_net: {line}", file=sys.stderr, flush=True)
+
+
+def loader_throughput(cfg, batches, budget_s=None):
     """The train loader's images/s on DATA.PATH, or on a temporary JPEG folder."""
     if cfg.DATA.PATH:
-        return timing.time_loader(construct_train_loader(cfg), batches), cfg.DATA.PATH
+        progress(f"loader: up to {batches} batches on {cfg.DATA.PATH}")
+        loader = construct_train_loader(cfg)
+        return timing.time_loader(loader, batches, budget_s=budget_s), cfg.DATA.PATH
     from pycls_fast.datasets.synthetic import make_image_folder
 
-    per_rank = cfg.TRAIN.BATCH_SIZE // distributed.world_size()
-    images = per_rank * (batches + 2)
+    # Every rank reads its shard of the folder: enough for all of them.
+    images = cfg.TRAIN.BATCH_SIZE * (batches + 2)
+    progress(f"loader: writing {images} JPEGs, then up to {batches} batches")
     with tempfile.TemporaryDirectory() as root:
         make_image_folder(root, splits=("train",), num_classes=4,
                           images_per_class=-(-images // 4))  # fmt: skip
         synthetic = with_overrides(cfg, {"DATA.PATH": root, "DATA.INDEX_CACHE": False})
-        rate = timing.time_loader(construct_train_loader(synthetic), batches)
+        loader = construct_train_loader(synthetic)
+        rate = timing.time_loader(loader, batches, budget_s=budget_s)
     return rate, "synthetic JPEGs (500x375)"
 
 
@@ -65,12 +86,10 @@ def _step_seconds(parts, inputs, targets, iters):
     """Median seconds of `iters` training steps (every rank steps in lockstep)."""
     times = []
     for _ in range(iters):
-        if parts.device.type == "cuda":
-            torch.cuda.synchronize(parts.device)
+        timing.sync(parts.device)
         start = time.perf_counter()
         train_step(parts, inputs, targets)
-        if parts.device.type == "cuda":
-            torch.cuda.synchronize(parts.device)
+        timing.sync(parts.device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -79,6 +98,7 @@ def compare_parallel(cfg, modes, rounds):
     """Times the training step of each of `modes` ('ddp', 'fsdp') on this rank,
     interleaved over `rounds`; returns one record per mode, with every rank's figures
     (on rank 0)."""
+    apply_backend_flags(cfg)
     world = distributed.world_size()
     batch = cfg.TRAIN.BATCH_SIZE // world
     built = {}
@@ -91,15 +111,22 @@ def compare_parallel(cfg, modes, rounds):
         seed_everything(cfg.RNG_SEED)
         built[mode] = build_components(variant, loaders=False)
     times = {mode: [] for mode in modes}
+    gpu_peak = {mode: None for mode in modes}
     for r in range(rounds):
+        progress(f"--parallel: round {r + 1} of {rounds}")
         for mode in modes:
             parts = built[mode]
             inputs, targets = timing.synthetic_batch(parts, batch, cfg.TRAIN.IM_SIZE)
             if r == 0:
                 _step_seconds(parts, inputs, targets, cfg.PREC_TIME.WARMUP_ITER)
+            # This mode's steps only (the other mode's model stays resident).
+            timing.reset_peak_memory(parts.device)
             times[mode].append(
                 _step_seconds(parts, inputs, targets, cfg.PREC_TIME.NUM_ITER)
             )
+            peak = timing.peak_memory_mb(parts.device)
+            if peak is not None:
+                gpu_peak[mode] = max(peak, gpu_peak[mode] or 0.0)
     records = []
     for mode in modes:
         step = statistics.median(times[mode])
@@ -109,8 +136,11 @@ def compare_parallel(cfg, modes, rounds):
         mine = {
             "img_per_s": batch / step,
             "state_mb": sizes["total"] / 2**20,
-            # Linux reports ru_maxrss in KB; both modes live in this one process.
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            # Host memory, not GPU memory. Linux reports ru_maxrss in KB; both modes
+            # live in this one process.
+            "host_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            / 1024,
+            "gpu_peak_mb": gpu_peak[mode],
         }
         ranks = distributed.all_gather_object(mine)
         records.append(
@@ -122,7 +152,8 @@ def compare_parallel(cfg, modes, rounds):
                 "total_img_per_s": sum(r["img_per_s"] for r in ranks),
                 "per_rank_img_per_s": [r["img_per_s"] for r in ranks],
                 "per_rank_state_mb": [r["state_mb"] for r in ranks],
-                "per_rank_peak_rss_mb": [r["peak_rss_mb"] for r in ranks],
+                "per_rank_host_peak_rss_mb": [r["host_peak_rss_mb"] for r in ranks],
+                "per_rank_gpu_peak_mb": [r["gpu_peak_mb"] for r in ranks],
             }
         )
     return records
@@ -132,12 +163,16 @@ def print_parallel(records, args):
     for r in records:
         rates = ", ".join(f"{x:.1f}" for x in r["per_rank_img_per_s"])
         states = ", ".join(f"{x:.1f}" for x in r["per_rank_state_mb"])
-        rss = ", ".join(f"{x:.0f}" for x in r["per_rank_peak_rss_mb"])
+        rss = ", ".join(f"{x:.0f}" for x in r["per_rank_host_peak_rss_mb"])
+        gpu = ""
+        if any(x is not None for x in r["per_rank_gpu_peak_mb"]):
+            peaks = ", ".join(f"{x or 0:.0f}" for x in r["per_rank_gpu_peak_mb"])
+            gpu = f"; GPU peak per rank: {peaks} MB"
         print(
             f"{r['mode']:>11}: {r['total_img_per_s']:.1f} img/s in total over "
             f"{r['processes']} process(es) (per rank: {rates}); step "
             f"{r['step_ms']:.1f} ms; parameters + optimizer state per rank: "
-            f"{states} MB; peak RSS per rank: {rss} MB"
+            f"{states} MB; peak host RSS per rank: {rss} MB{gpu}"
         )
     if args.json:
         print(json.dumps({"config": args.cfg_file, "parallel": records}))
@@ -159,10 +194,26 @@ def main():
     parser.add_argument(
         "--rounds", type=int, default=5, help="interleaved rounds for --parallel"
     )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=60.0,
+        help="time budget of the measurement (iteration counts are scaled to it)",
+    )
     args = parser.parse_args()
     cfg = cfg_from_args(args)
     if args.loader_batches < 1 or args.rounds < 1:
         raise UserError("--loader-batches and --rounds must be >= 1")
+    if args.seconds <= 0:
+        raise UserError("--seconds must be > 0")
+    if cfg.DATA.PATH and not args.no_loader:
+        try:
+            check_data(cfg, ("train",))
+        except UserError as e:
+            raise UserError(
+                f"{e}: set DATA.PATH '' to time the loader on generated JPEGs, or "
+                "pass --no-loader"
+            ) from None
     if args.parallel:
         modes = [m.strip() for m in args.parallel.split(",") if m.strip()]
         bad = [m for m in modes if m not in ("ddp", "fsdp")]
@@ -183,18 +234,25 @@ def main():
 
 def measure(cfg, args):
     """The step, evaluation, loader and MFU figures of this config (this rank)."""
+    apply_backend_flags(cfg)
     seed_everything(cfg.RNG_SEED)
     parts = build_components(cfg, loaders=False)
     world = distributed.world_size()
     batch = cfg.TRAIN.BATCH_SIZE // world
     warmup, iters = cfg.PREC_TIME.WARMUP_ITER, cfg.PREC_TIME.NUM_ITER
-    train = timing.time_train(parts, batch, warmup, iters)
+    budget = {k: share * args.seconds for k, share in SHARES.items()}
+    train = timing.time_train(parts, batch, warmup, iters, budget["train"], progress)
     test_batch = cfg.TEST.BATCH_SIZE // world
-    test_s = timing.time_test(parts, test_batch, warmup, iters)
+    test_s = timing.time_test(
+        parts, test_batch, warmup, iters, budget["test"], progress
+    )
     loader_rate, loader_on = (None, None)
     if not args.no_loader:
-        loader_rate, loader_on = loader_throughput(cfg, args.loader_batches)
+        loader_rate, loader_on = loader_throughput(
+            cfg, args.loader_batches, budget["loader"]
+        )
     dtype = timing.compute_dtype(parts)
+    progress(f"matmul peak ({str(dtype).replace('torch.', '')})")
     peak = timing.matmul_peak_flops(parts.device, dtype)
     flops = complexity(cfg)["flops"]  # multiply-adds per image, forward
     train_rate = batch / train["step_s"] * world
@@ -209,6 +267,7 @@ def measure(cfg, args):
         "fwd_ms": 1e3 * train["fwd_s"],
         "fwd_bwd_ms": 1e3 * train["fwd_bwd_s"],
         "step_ms": 1e3 * train["step_s"],
+        "gpu_peak_mb": train["gpu_peak_mb"],
         "train_img_per_s": train_rate,
         "test_img_per_s": test_batch / test_s * world,
         "loader_img_per_s": loader_rate * world if loader_rate else None,
@@ -239,8 +298,13 @@ def report(record, args):
     )
     print(
         f"  forward {r['fwd_ms']:.1f} ms, forward+backward {r['fwd_bwd_ms']:.1f} ms, "
-        f"full step {r['step_ms']:.1f} ms"
+        f"full step {r['step_ms']:.1f} ms (interleaved medians)"
     )
+    if r["step_ms"] < r["fwd_bwd_ms"]:
+        # The step adds the optimizer to forward+backward: shorter means noise.
+        print("  (full step below forward+backward: the two are within timing noise)")
+    if r["gpu_peak_mb"] is not None:
+        print(f"  GPU peak memory of the train step: {r['gpu_peak_mb']:.0f} MB")
     print(f"  train {train_rate:.1f} img/s, test {record['test_img_per_s']:.1f} img/s")
     if loader_rate:
         print(f"  loader {loader_rate:.1f} img/s on {loader_on}")

@@ -11,6 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from pycls_fast.core.device_info import check_local_rank
 from pycls_fast.errors import ConfigError
 
 
@@ -40,9 +41,13 @@ def local_world_size():
 
 
 def device():
-    """This process's device: its GPU when there is one, else the CPU."""
+    """This process's device: GPU LOCAL_RANK when CUDA is usable, else the CPU.
+
+    Raises DeviceError (a ConfigError) when LOCAL_RANK names no visible GPU, rather
+    than putting two ranks on one GPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+        check_local_rank(local_rank())
+        return torch.device("cuda", local_rank())
     return torch.device("cpu")
 
 

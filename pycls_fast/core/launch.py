@@ -19,10 +19,11 @@ import torch.distributed as dist
 
 from pycls_fast.config import check_launch, with_overrides
 from pycls_fast.core import preemption
+from pycls_fast.core.device_info import check_gpus_usable
 from pycls_fast.core.distributed import (
     destroy_process_group,
+    device,
     is_main,
-    local_rank,
     local_world_size,
 )
 from pycls_fast.errors import (
@@ -55,23 +56,40 @@ _joined_env_group = False
 def init_process_group(cfg):
     """Joins the env:// process group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
     with a timeout on every collective, so a lost rank stops the job instead of
-    hanging it; sets this process's GPU and CPU threads."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank() % torch.cuda.device_count())
-    else:
+    hanging it; sets this process's GPU (LOCAL_RANK, checked) and CPU threads."""
+    if not torch.cuda.is_available():
         # N processes on one CPU box share its cores: no oversubscription.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         torch.set_num_threads(max(1, cores // max(local_world_size(), 1)))
-    dist.init_process_group(backend_for(cfg), timeout=_timeout(cfg))
+    dist.init_process_group(
+        backend_for(cfg), timeout=_timeout(cfg), **_bind_device(cfg)
+    )
     global _joined_env_group
     _joined_env_group = True
 
 
+def _bind_device(cfg):
+    """Sets this process's GPU and returns init_process_group's `device_id` for it
+    (NCCL then forms its communicator at once, so a bad GPU fails here); {} on CPUs.
+    A LOCAL_RANK beyond the visible GPUs is a DeviceError."""
+    if not torch.cuda.is_available():
+        return {}
+    gpu = device()
+    torch.cuda.set_device(gpu)
+    return {"device_id": gpu} if backend_for(cfg) == "nccl" else {}
+
+
 def init_single_process_group(cfg):
-    """A process group of one (FSDP needs one even on a single device)."""
+    """A process group of one (FSDP needs one even on a single device), on GPU
+    LOCAL_RANK when CUDA is usable."""
     store = dist.HashStore()
     dist.init_process_group(
-        backend_for(cfg), store=store, rank=0, world_size=1, timeout=_timeout(cfg)
+        backend_for(cfg),
+        store=store,
+        rank=0,
+        world_size=1,
+        timeout=_timeout(cfg),
+        **_bind_device(cfg),
     )
 
 
@@ -115,9 +133,11 @@ def launch(fn, cfg):
     - otherwise: runs `fn(cfg)` here (with a one-process group when FSDP is enabled).
 
     A launch key that asks for what is not implemented (LAUNCH.MODE 'slurm') is
-    refused first (ConfigError), before any work starts.
+    refused first (ConfigError), and GPUs asked for (NUM_GPUS > 1 with 'nccl') on a
+    machine whose driver torch cannot use are a DeviceError, before any work starts.
     """
     check_launch(cfg)
+    check_gpus_usable(cfg)
     if under_torchrun():
         cfg = _match_world_size(cfg, int(os.environ["WORLD_SIZE"]))
         return _run_in_group(fn, cfg, init_process_group)

@@ -14,6 +14,7 @@ import math
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 
 def param_groups(model, cfg):
@@ -56,16 +57,30 @@ def param_groups(model, cfg):
     return out
 
 
-def _multi_tensor_kwargs(mta, params):
+def fused_supported(groups):
+    """Whether torch has a fused optimizer kernel for every parameter of `groups`:
+    floating point, on a device type torch lists as fused-capable. The same test
+    torch applies at the first `step()` (torch/optim/optimizer.py,
+    `_device_dtype_check_for_fused`), made here at construction."""
+    devices = _get_fused_kernels_supported_devices()
+    return all(
+        p.device.type in devices and torch.is_floating_point(p)
+        for group in groups
+        for p in group["params"]
+    )
+
+
+def _multi_tensor_kwargs(mta, groups):
     """foreach/fused flags: the fused kernel (one pass over all tensors of a group, on
-    CUDA and on CPU) when MTA is on, a Python loop over parameters when off.
+    CUDA and on CPU) when MTA is on and torch has one for these parameters, else the
+    multi-tensor `foreach` path; a Python loop over parameters when MTA is off.
 
     On a CPU, torch's `foreach` path is no faster than the loop while `fused` is
     several times faster (benchmarks/optimizer.py; figures in docs/PERFORMANCE.md).
     """
     if not mta:
         return {"foreach": False}
-    return {"fused": True}
+    return {"fused": True} if fused_supported(groups) else {"foreach": True}
 
 
 def construct_optimizer(groups, cfg):
@@ -90,11 +105,7 @@ def construct_optimizer(groups, cfg):
     else:
         raise ValueError(f"unknown OPTIM.OPTIMIZER {name!r}")
     flags = _multi_tensor_kwargs(o.MTA, groups)
-    try:
-        return cls(groups, lr=o.BASE_LR, **kwargs, **flags)
-    except RuntimeError:
-        # No fused kernel for this device / dtype: the multi-tensor foreach path.
-        return cls(groups, lr=o.BASE_LR, **kwargs, foreach=True)
+    return cls(groups, lr=o.BASE_LR, **kwargs, **flags)
 
 
 def _lr_policy(o, epoch):

@@ -21,6 +21,24 @@ from pycls_fast.config import legacy_amp_mode
 from pycls_fast.core.distributed import local_tensor
 
 
+def apply_backend_flags(cfg):
+    """Sets this process's CUDA math flags once, at setup: fp32 matmuls and cuDNN
+    convolutions in TF32 (AMP.TF32) or IEEE fp32, and cuDNN autotuning
+    (CUDNN.BENCHMARK). Harmless on a CPU (the flags concern CUDA only).
+
+    Uses torch's `fp32_precision` settings, not the legacy `allow_tf32` flags: torch
+    refuses to read a flag once both APIs were used in one process."""
+    precision = "tf32" if cfg.AMP.TF32 else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision
+    torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
+
+
+def fp32_math():
+    """How fp32 matmuls run on CUDA now: 'tf32' or 'ieee' (torch's setting)."""
+    return torch.backends.cuda.matmul.fp32_precision
+
+
 class AmpMode(enum.Enum):
     """The precision modes of AMP.MODE."""
 

@@ -2,7 +2,13 @@
 
 What tools/time_net.py reports (benchmarks/ladder.py uses it too). Step and evaluation
 times are medians over `iters` calls after `warmup` untimed ones, on synthetic batches
-(the loader is timed on its own), so the figures isolate compute from data.
+(the loader is timed on its own), so the figures isolate compute from data. Forward,
+forward+backward and the full step are timed interleaved (one of each per round,
+after the same warm-up), so they compare under the same machine state.
+
+With a `budget_s`, one untimed probe call sizes the counts: `warmup` and `iters` are
+scaled down so that the phase takes about `budget_s` (at least one timed call).
+`progress` (a callable taking one line) hears what each phase will take.
 """
 
 import statistics
@@ -19,24 +25,99 @@ from pycls_fast.datasets.loader import ImageLoader
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+Progress = Callable[[str], None] | None
+
+
+def sync(device: torch.device) -> None:
+    """Waits for `device` and for the current CUDA device when it is another one
+    (work queued on either counts; unused GPUs are left alone: a sync would create
+    a context there)."""
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    current = torch.cuda.current_device()
+    if device.index is not None and device.index != current:
+        torch.cuda.synchronize(current)
+
+
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def fit_budget(
+    seconds_per_call: float, warmup: int, iters: int, budget_s: float | None
+) -> tuple[int, int]:
+    """(warmup, iters) scaled down so that warmup + iters calls of
+    `seconds_per_call` take about `budget_s` (None: unchanged); at least one timed
+    call, and one warm-up call when there is room for it."""
+    if budget_s is None or (warmup + iters) * seconds_per_call <= budget_s:
+        return warmup, iters
+    calls = max(1, int(budget_s / max(seconds_per_call, 1e-9)))
+    iters = max(1, min(iters, calls - min(warmup, 1)))
+    return min(warmup, max(0, calls - iters)), iters
+
+
+def _say(progress: Progress, line: str) -> None:
+    if progress is not None:
+        progress(line)
+
+
+def _plan(name, per_call, warmup, iters, budget_s, progress):
+    """Fits the counts to the budget and announces the phase."""
+    warmup, iters = fit_budget(per_call, warmup, iters, budget_s)
+    expected = (warmup + iters) * per_call
+    line = (
+        f"{name}: {warmup} warm-up + {iters} timed calls of ~{per_call:.2f} s, "
+        f"~{expected:.0f} s"
+    )
+    if expected > 120:
+        line += " (minutes: lower the batch size or --seconds to go faster)"
+    _say(progress, line)
+    return warmup, iters
 
 
 def _median_time(
-    fn: Callable[[], object], device: torch.device, warmup: int, iters: int
+    fn: Callable[[], object],
+    device: torch.device,
+    warmup: int,
+    iters: int,
+    budget_s: float | None = None,
+    progress: Progress = None,
+    name: str = "",
 ) -> float:
+    if budget_s is not None:
+        # The probe is the first warm-up call (it also pays for first-call costs).
+        per_call = _seconds(fn, device)
+        if 2 * per_call > budget_s:
+            _say(
+                progress,
+                f"{name}: one call takes {per_call:.1f} s, over its "
+                f"{budget_s:.0f} s share: that call is the figure (no warm-up)",
+            )
+            return per_call
+        warmup, iters = _plan(name, per_call, warmup, iters, budget_s, progress)
+        warmup = max(0, warmup - 1)
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(_seconds(fn, device) for _ in range(iters))
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Starts a new peak-memory window on a CUDA `device` (no-op elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device: torch.device) -> float | None:
+    """Peak bytes allocated on a CUDA `device` since the last reset, in MB; None
+    elsewhere (a CPU has no such counter: see host RSS)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**20
 
 
 def synthetic_batch(
@@ -55,9 +136,15 @@ def synthetic_batch(
 
 
 def time_train(
-    parts: Components, batch_size: int, warmup: int, iters: int
-) -> dict[str, float]:
-    """Returns {fwd_s, fwd_bwd_s, step_s} per iteration (medians)."""
+    parts: Components,
+    batch_size: int,
+    warmup: int,
+    iters: int,
+    budget_s: float | None = None,
+    progress: Progress = None,
+) -> dict[str, float | None]:
+    """Returns {fwd_s, fwd_bwd_s, step_s} per iteration (medians of interleaved
+    rounds) and gpu_peak_mb (peak CUDA memory of these calls; None on a CPU)."""
     cfg = parts.cfg
     inputs, targets = synthetic_batch(parts, batch_size, cfg.TRAIN.IM_SIZE)
     model, device = parts.trained, parts.device
@@ -77,14 +164,48 @@ def time_train(
     def step():
         train_step(parts, inputs, targets)
 
-    return {
-        "fwd_s": _median_time(forward, device, warmup, iters),
-        "fwd_bwd_s": _median_time(forward_backward, device, warmup, iters),
-        "step_s": _median_time(step, device, warmup, iters),
-    }
+    phases = {"fwd_s": forward, "fwd_bwd_s": forward_backward, "step_s": step}
+    reset_peak_memory(device)
+    if budget_s is not None:
+        # One probe round: first-call costs, and the size of a round.
+        probe = {name: _seconds(fn, device) for name, fn in phases.items()}
+        per_round = sum(probe.values())
+        if 2 * per_round > budget_s:
+            _say(
+                progress,
+                f"train: one round takes {per_round:.1f} s, over its "
+                f"{budget_s:.0f} s share: that round is the figure (no warm-up)",
+            )
+            return {**probe, "gpu_peak_mb": peak_memory_mb(device)}
+        warmup, iters = _plan(
+            "train (forward, forward+backward, step)",
+            per_round,
+            warmup,
+            iters,
+            budget_s,
+            progress,
+        )
+        warmup = max(0, warmup - 1)
+    for _ in range(warmup):
+        for fn in phases.values():
+            fn()
+    times = {name: [] for name in phases}
+    for _ in range(iters):
+        for name, fn in phases.items():
+            times[name].append(_seconds(fn, device))
+    out = {name: statistics.median(t) for name, t in times.items()}
+    out["gpu_peak_mb"] = peak_memory_mb(device)
+    return out
 
 
-def time_test(parts: Components, batch_size: int, warmup: int, iters: int) -> float:
+def time_test(
+    parts: Components,
+    batch_size: int,
+    warmup: int,
+    iters: int,
+    budget_s: float | None = None,
+    progress: Progress = None,
+) -> float:
     """Returns the median seconds of one evaluation batch."""
     inputs, _ = synthetic_batch(parts, batch_size, parts.cfg.TRAIN.IM_SIZE, train=False)
     model = parts.trained
@@ -94,17 +215,29 @@ def time_test(parts: Components, batch_size: int, warmup: int, iters: int) -> fl
         with torch.no_grad(), autocast(parts.device.type, parts.mode, parts.half_dtype):
             model(inputs)
 
-    seconds = _median_time(forward, parts.device, warmup, iters)
+    name = f"evaluation (batch {batch_size})"
+    seconds = _median_time(
+        forward, parts.device, warmup, iters, budget_s, progress, name
+    )
     model.train()
     return seconds
 
 
-def time_loader(loader: ImageLoader, batches: int, warmup: int = 2) -> float:
-    """Images per second the loader delivers, over `batches` after `warmup`."""
+def time_loader(
+    loader: ImageLoader,
+    batches: int,
+    warmup: int = 2,
+    budget_s: float | None = None,
+) -> float:
+    """Images per second the loader delivers, over `batches` after `warmup` (fewer
+    when `budget_s` seconds have passed)."""
     loader.set_epoch(0)
     it = iter(loader)
-    for _ in range(warmup):
-        next(it)
+    try:
+        for _ in range(warmup):
+            next(it)
+    except StopIteration:
+        raise ValueError("the loader has fewer batches than the warm-up") from None
     images, start = 0, time.perf_counter()
     for _ in range(batches):
         try:
@@ -112,6 +245,8 @@ def time_loader(loader: ImageLoader, batches: int, warmup: int = 2) -> float:
         except StopIteration:
             break
         images += len(imgs)
+        if budget_s is not None and time.perf_counter() - start > budget_s:
+            break
     elapsed = time.perf_counter() - start
     if hasattr(it, "close"):
         it.close()

@@ -73,12 +73,20 @@ def pca_lighting_offsets(batch_size, alpha_std, generator=None, device="cpu"):
     """Returns float32 (B, 3) AlexNet-style PCA lighting shifts, in [0, 1] RGB units.
 
     Per image: eig_vecs @ (alpha * eig_vals) with alpha ~ N(0, alpha_std) (pycls's
-    `lighting`, added to the [0, 1] image before normalization).
+    `lighting`, added to the [0, 1] image before normalization). Drawn on the
+    generator's device (else on `device`): no host draw, no host-to-device copy.
     """
-    alpha = torch.randn(batch_size, 3, generator=generator) * alpha_std
-    vecs = torch.tensor(EIG_VECS, dtype=torch.float32)
-    vals = torch.tensor(EIG_VALS, dtype=torch.float32)
-    return ((alpha * vals) @ vecs.T).to(device)
+    device = generator.device if generator is not None else torch.device(device)
+    alpha = torch.randn(batch_size, 3, generator=generator, device=device) * alpha_std
+    vecs, vals = _eigen(device)
+    return (alpha * vals) @ vecs.T
+
+
+@functools.lru_cache(maxsize=8)
+def _eigen(device):
+    """EIG_VECS and EIG_VALS as float32 tensors on `device`, made once."""
+    vecs = torch.tensor(EIG_VECS, dtype=torch.float32, device=device)
+    return vecs, torch.tensor(EIG_VALS, dtype=torch.float32, device=device)
 
 
 def one_hot(labels, num_classes, smoothing=0.0):
@@ -137,7 +145,11 @@ class DeviceBatchTransform:
     (TRAIN.LABEL_SMOOTHING). Targets are float32 (B, MODEL.NUM_CLASSES) probabilities
     when any of those three is on, else the int64 (B,) labels; both are accepted by
     torch's cross_entropy. Test: normalize only; targets are the labels.
-    Random draws come from generators seeded with RNG_SEED (and `rank`).
+    Random draws come from generators seeded with RNG_SEED (and `rank`): a numpy
+    Generator on the host (mixup / cutmix choices) and a torch Generator on `device`
+    (PCA lighting, drawn where it is used). On a CPU the draws are those of a CPU
+    generator; a CUDA generator seeded alike draws another (equally valid) stream.
+    `state_dict()` / `load_state_dict()` carry both states across a resume.
     """
 
     def __init__(self, cfg, device, dtype=torch.float32, train=True, rank=0):
@@ -152,7 +164,23 @@ class DeviceBatchTransform:
         self.num_classes = cfg.MODEL.NUM_CLASSES
         seed = [cfg.RNG_SEED, rank]
         self.rng = np.random.default_rng(seed)
-        self.generator = torch.Generator().manual_seed(int(self.rng.integers(2**62)))
+        self.generator = torch.Generator(device=torch.device(device)).manual_seed(
+            int(self.rng.integers(2**62))
+        )
+
+    def state_dict(self) -> dict:
+        """The random state: {"numpy": the numpy bit generator's state (a dict of str
+        and int), "torch": the torch generator's state (uint8 CPU tensor)}; loads
+        with torch.load(weights_only=True)."""
+        return {
+            "numpy": self.rng.bit_generator.state,
+            "torch": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores the random state saved by `state_dict`."""
+        self.rng.bit_generator.state = state["numpy"]
+        self.generator.set_state(state["torch"].to("cpu", torch.uint8))
 
     def __call__(self, images, labels):
         """`images`: uint8 (B, 3, H, W), `labels`: int64 (B,) on the host; returns
@@ -174,15 +202,3 @@ class DeviceBatchTransform:
             inputs, targets, self.mixup_alpha, self.cutmix_alpha, self.rng
         )
         return inputs, targets
-
-    def state_dict(self) -> dict:
-        """The states of the two generators (plain values and a uint8 tensor)."""
-        return {
-            "numpy": self.rng.bit_generator.state,
-            "torch": self.generator.get_state(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continues the random draws where `state_dict` was taken."""
-        self.rng.bit_generator.state = state["numpy"]
-        self.generator.set_state(state["torch"])

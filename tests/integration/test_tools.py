@@ -182,3 +182,25 @@ def test_bench_loader_runs_every_mode_on_the_same_images(tmp_path):
         assert record[f"{name}_per_round_median"] == pytest.approx(record[name])
     assert all(ms > 0 for ms in record["cpu_ms_per_image"].values())
     assert "| threads |" in result.stdout and "| processes |" in result.stdout
+
+
+def test_check_node_on_cpu_reports_every_check():
+    result = run_tool("check_node.py", "--steps", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
+    verdicts = {r["check"].split(",")[0].split(" (")[0]: r["verdict"] for r in rows}
+    assert verdicts == {
+        "device": "ok",
+        "AMP O1": "ok",
+        "AMP O2": "ok",
+        "AMP O3": "ok",
+        "DDP vs FSDP": "ok",
+        "all-reduce bus bandwidth": "ok",
+        "matmul peak float32": "ok",
+        "matmul peak bfloat16": "ok",
+        "matmul peak float16": "ok",
+        "loader vs step demand": "ok",
+        "GPU checks": "skipped",
+    }, rows
+    table = result.stdout.splitlines()
+    assert any(x.startswith("DDP vs FSDP, 2 CPU processes, gloo") for x in table)

@@ -87,3 +87,26 @@ def test_time_net_json(tmp_path):
 def test_plot_log_without_a_log_is_a_clear_error(tmp_path):
     result = run_tool("plot_log.py", str(tmp_path))
     assert result.returncode == 2 and "no log in" in result.stderr
+
+
+def test_time_net_keeps_to_its_budget_and_shows_progress(tmp_path):
+    # PREC_TIME.NUM_ITER asks for far more than 10 seconds hold: the budget decides.
+    result = run_tool(
+        "time_net.py", "--cfg", TINY_CFG, "--json", "--seconds", "10",
+        "--loader-batches", "1", "TRAIN.BATCH_SIZE", "8", "TEST.BATCH_SIZE", "8",
+        "PREC_TIME.NUM_ITER", "100000", "OUT_DIR", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = [x for x in result.stderr.splitlines() if x.startswith("time_net: ")]
+    phases = " ".join(lines)
+    for phase in ("train (forward", "evaluation (batch 8)", "loader:", "matmul peak"):
+        assert phase in phases, result.stderr
+    assert "timed calls of ~" in phases
+    assert json.loads(result.stdout.strip().splitlines()[-1])["train_img_per_s"] > 0
+
+
+def test_time_net_refuses_a_missing_data_path_at_once(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    result = run_tool("time_net.py", "--cfg", TINY_CFG, "DATA.PATH", missing)
+    assert result.returncode == 2
+    assert f"DATA.PATH folder not found: {missing}" in result.stderr

@@ -261,6 +261,12 @@ def test_base_inheritance(tmp_path):
         ),
         (["MODEL.TYPE", "resnet"], "MODEL.TYPE must be one of ['vit']"),
         (["VIT.PATCH_SIZE"], "KEY VALUE or KEY=VALUE pairs"),
+        (["DIST_BACKEND", "nccl2"], "DIST_BACKEND must be one of"),
+        (
+            ["VIT.ATTENTION", "sdpa_flash", "AMP.MODE", "fp32"],
+            "VIT.ATTENTION 'sdpa_flash' needs fp16 / bf16 inputs",
+        ),
+        (["VIT.ATTENTION", "sdpa_cudnn"], "VIT.ATTENTION 'sdpa_cudnn' needs fp16"),
     ],
 )
 def test_bad_values_name_the_key(opts, message):

@@ -163,8 +163,32 @@ def test_device_batch_transform_train_and_test():
     )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_to_device_cuda_pinned_non_blocking():
+def test_lighting_draws_are_those_of_the_host_generator_on_cpu():
+    # The pre-device-generator path, written out: same seed, same bits on a CPU.
+    cfg = _cfg(MIXUP_ALPHA=0.0)
     images, labels = _images(), torch.tensor([1, 2, 3, 0])
-    x, y = to_device(images, labels, "cuda")
-    assert x.is_cuda and torch.equal(x.cpu(), images) and torch.equal(y.cpu(), labels)
+    rng = np.random.default_rng([cfg.RNG_SEED, 1])
+    g = torch.Generator().manual_seed(int(rng.integers(2**62)))
+    prep = DeviceBatchTransform(cfg, "cpu", rank=1)
+    for _ in range(3):
+        alpha = torch.randn(4, 3, generator=g) * cfg.TRAIN.PCA_STD
+        vecs = torch.tensor(EIG_VECS, dtype=torch.float32)
+        vals = torch.tensor(EIG_VALS, dtype=torch.float32)
+        expected = normalize(images, offsets=(alpha * vals) @ vecs.T)
+        assert torch.equal(prep(images, labels)[0], expected)
+
+
+def test_random_state_round_trips_through_a_weights_only_file(tmp_path):
+    cfg = _cfg(MIXUP_ALPHA=0.2, CUTMIX_ALPHA=1.0)
+    images, labels = _images(), torch.tensor([1, 2, 3, 0])
+    prep = DeviceBatchTransform(cfg, "cpu")
+    prep(images, labels)
+    torch.save(prep.state_dict(), tmp_path / "rng.pt")
+    expected = [prep(images, labels) for _ in range(3)]
+    state = torch.load(tmp_path / "rng.pt", weights_only=True)
+    assert state["torch"].dtype == torch.uint8
+    resumed = DeviceBatchTransform(cfg, "cpu", rank=5)  # another stream until loaded
+    resumed.load_state_dict(state)
+    for x, y in expected:
+        rx, ry = resumed(images, labels)
+        assert torch.equal(rx, x) and torch.equal(ry, y)

@@ -140,6 +140,47 @@ def test_mta_and_loop_optimizers_agree(name):
         torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-5, atol=1e-6)
 
 
+def test_fused_or_foreach_is_chosen_at_construction(monkeypatch):
+    from pycls_fast.core import optimizer
+
+    cfg = tiny_cfg("OPTIM.OPTIMIZER", "adamw", "OPTIM.MTA", "True")
+    groups = param_groups(build_model(cfg), cfg)
+    assert construct_optimizer(groups, cfg).defaults["fused"] is True
+    # A device torch has no fused kernel for: foreach, decided before any step.
+    monkeypatch.setattr(
+        optimizer, "_get_fused_kernels_supported_devices", lambda: ["cuda"]
+    )
+    opt = construct_optimizer(groups, cfg)
+    assert not opt.defaults["fused"] and opt.defaults["foreach"] is True
+    # Integer parameters have no fused kernel anywhere.
+    ints = [{"params": [torch.zeros(2, dtype=torch.int64)]}]
+    monkeypatch.undo()
+    assert not optimizer.fused_supported(ints)
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_backend_flags_follow_the_config(tf32):
+    from pycls_fast.core.precision import apply_backend_flags, fp32_math
+
+    saved = (
+        torch.backends.cuda.matmul.fp32_precision,
+        torch.backends.cudnn.conv.fp32_precision,
+        torch.backends.cudnn.benchmark,
+    )
+    try:
+        apply_backend_flags(
+            tiny_cfg("AMP.TF32", str(tf32), "CUDNN.BENCHMARK", str(not tf32))
+        )
+        expected = "tf32" if tf32 else "ieee"
+        assert fp32_math() == expected
+        assert torch.backends.cudnn.conv.fp32_precision == expected
+        assert torch.backends.cudnn.benchmark is (not tf32)
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved[0]
+        torch.backends.cudnn.conv.fp32_precision = saved[1]
+        torch.backends.cudnn.benchmark = saved[2]
+
+
 def test_lamb_from_timm_trains():
     cfg = tiny_cfg("OPTIM.OPTIMIZER", "lamb", "OPTIM.BASE_LR", "0.01")
     parts = build_components(cfg, loaders=False)

@@ -1,0 +1,37 @@
+"""Tests that need a CUDA device: marked `gpu`, skipped unless pytest --gpu (or
+PYCLS_FAST_TEST_GPU=1) on a GPU node (see conftest.py)."""
+
+import pytest
+import torch
+
+from pycls_fast.datasets.device import DeviceBatchTransform, to_device
+from tests.test_datasets_device import _cfg, _images
+
+pytestmark = pytest.mark.gpu
+
+
+def test_to_device_cuda_pinned_non_blocking():
+    images, labels = _images(), torch.tensor([1, 2, 3, 0])
+    x, y = to_device(images, labels, "cuda")
+    assert x.is_cuda and torch.equal(x.cpu(), images) and torch.equal(y.cpu(), labels)
+
+
+def test_lighting_is_drawn_on_the_cuda_device():
+    prep = DeviceBatchTransform(_cfg(), "cuda")
+    assert prep.generator.device.type == "cuda"
+    x, _ = prep(_images(), torch.tensor([1, 2, 3, 0]))
+    assert x.is_cuda
+    prep.load_state_dict(prep.state_dict())
+
+
+def test_prefetcher_on_a_side_stream_matches_the_plain_transform():
+    from pycls_fast.datasets.prefetch import DevicePrefetcher
+    from tests.test_datasets_prefetch import _Loader
+
+    cfg = _cfg()
+    cfg.TRAIN.PCA_STD = 0.0  # no random draws: both paths give the same values
+    plain = DeviceBatchTransform(cfg, "cuda")
+    expected = [plain(x, y) if len(y) else (x, y) for x, y in _Loader()]
+    got = list(DevicePrefetcher(_Loader(), DeviceBatchTransform(cfg, "cuda")))
+    for (gx, gy), (ex, ey) in zip(got, expected):
+        assert torch.equal(gx.cpu(), ex.cpu()) and torch.equal(gy.cpu(), ey.cpu())

@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Checks a new node before the first real run: one line per check, with a verdict.
+
+    python tools/check_node.py [--cfg FILE] [--steps N] [--json]
+
+Checks: the device inventory; a short training in each AMP mode against fp32 (final
+losses within --tolerance, relative); DDP against FSDP on all local devices (two gloo
+processes on a CPU); all-reduce bus bandwidth (NCCL on GPUs, gloo on CPUs); the matmul
+peak per dtype; the loader's images/s against what the training step of --cfg asks
+for. Each line ends in `ok`, `warning` (with the fix) or `skipped` (with why). With
+--json the last line is one JSON object: {"rows": [{check, result, verdict, fix}]}.
+"""
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from pycls_fast.config import load_cfg, with_overrides
+from pycls_fast.core import distributed, timing
+from pycls_fast.core.cli import run
+from pycls_fast.core.device_info import cuda_unusable_reason, describe_device
+from pycls_fast.core.launch import launch
+from pycls_fast.core.precision import apply_backend_flags
+from pycls_fast.core.trainer import build_components, seed_everything, train_step
+from pycls_fast.errors import UserError
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from time_net import loader_throughput  # noqa: E402 - a sibling tool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
+# The training checks use a tiny fixed model whatever --cfg says.
+TINY = ["TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "16", "DATA.PATH", "",
+        "OPTIM.WARMUP_EPOCHS", "0", "NUM_GPUS", "1"]  # fmt: skip
+
+
+def _row(check, result, verdict="ok", fix=""):
+    return {"check": check, "result": result, "verdict": verdict, "fix": fix}
+
+
+def _losses(cfg, steps):
+    """Training losses of `steps` steps of `cfg` on one fixed synthetic batch."""
+    seed_everything(cfg.RNG_SEED)
+    parts = build_components(cfg, loaders=False)
+    inputs, targets = timing.synthetic_batch(parts, 16, cfg.TRAIN.IM_SIZE)
+    return [float(train_step(parts, inputs, targets)[0]) for _ in range(steps)]
+
+
+def check_amp(cfg, steps, tolerance):
+    """Each AMP mode's final loss against fp32's."""
+    reference = _losses(with_overrides(cfg, {"AMP.MODE": "fp32"}), steps)[-1]
+    rows = []
+    for mode in ("O1", "O2", "O3"):
+        loss = _losses(with_overrides(cfg, {"AMP.MODE": mode}), steps)[-1]
+        gap = abs(loss - reference) / max(abs(reference), 1e-12)
+        result = f"loss {loss:.4f} vs fp32 {reference:.4f} ({100 * gap:.1f}%)"
+        ok = gap <= tolerance
+        rows.append(
+            _row(
+                f"AMP {mode} ({cfg.AMP.DTYPE}) vs fp32, {steps} steps",
+                result,
+                "ok" if ok else "warning",
+                "" if ok else f"more than {100 * tolerance:.0f}%: train with O1",
+            )
+        )
+    return rows
+
+
+def _parallel_worker(cfg, steps):
+    """On every rank: DDP and FSDP losses, and the all-reduce bus bandwidth."""
+    out = {}
+    for mode in ("ddp", "fsdp"):
+        variant = with_overrides(
+            cfg, {"FSDP.ENABLED": mode == "fsdp", "AMP.MODE": "fp32"}
+        )
+        out[mode] = _losses(variant, steps)[-1]
+    world = distributed.world_size()
+    on = distributed.device() if dist.get_backend() == "nccl" else torch.device("cpu")
+    size = (64 if on.type == "cuda" else 8) * 2**20  # bytes
+    t = torch.ones(size // 4, device=on)
+    times = []
+    for i in range(6):
+        timing.sync(on)
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        timing.sync(on)
+        if i:  # the first call sets up the connections
+            times.append(time.perf_counter() - start)
+    # NCCL's bus bandwidth: what each link carries in a ring all-reduce.
+    out["busbw_gbps"] = size * 2 * (world - 1) / world / statistics.median(times) / 1e9
+    out["backend"] = dist.get_backend()
+    out["world"] = world
+    return out
+
+
+def check_parallel(cfg, steps):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 1:
+        reason = "one GPU: DDP / FSDP parity and all-reduce need two devices"
+        return [
+            _row("DDP vs FSDP", "skipped", "skipped", reason),
+            _row("all-reduce bus bandwidth", "skipped", "skipped", reason),
+        ]
+    world = gpus or 2
+    backend = "nccl" if gpus else "gloo"
+    opts = {"NUM_GPUS": world, "DIST_BACKEND": backend}
+    opts["TRAIN.BATCH_SIZE"] = 16 * world
+    opts["TEST.BATCH_SIZE"] = 16 * world
+    worker = functools.partial(_parallel_worker, steps=steps)
+    r = launch(worker, with_overrides(cfg, opts))
+    gap = abs(r["ddp"] - r["fsdp"]) / max(abs(r["ddp"]), 1e-12)
+    ok = gap <= 1e-3
+    where = f"{world} {'GPUs' if gpus else 'CPU processes'}, {r['backend']}"
+    bw_ok = not gpus or r["busbw_gbps"] >= 10
+    return [
+        _row(
+            f"DDP vs FSDP, {where}, fp32, {steps} steps",
+            f"loss {r['ddp']:.5f} vs {r['fsdp']:.5f} ({100 * gap:.3f}%)",
+            "ok" if ok else "warning",
+            "" if ok else "losses differ by more than 0.1%: report it",
+        ),
+        _row(
+            f"all-reduce bus bandwidth, {where}",
+            f"{r['busbw_gbps']:.2f} GB/s",
+            "ok" if bw_ok else "warning",
+            "" if bw_ok else "below 10 GB/s: check NVLink / NCCL_P2P_DISABLE / IB",
+        ),
+    ]
+
+
+def check_matmul(device):
+    rows = []
+    size = 4096 if device.type == "cuda" else 512
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        flops = timing.matmul_peak_flops(device, dtype, size=size, iters=5)
+        name = str(dtype).replace("torch.", "")
+        rows.append(_row(f"matmul peak {name}", f"{flops / 1e12:.3f} TFLOP/s"))
+    return rows
+
+
+def check_loader(cfg, cfg_file, steps):
+    """The loader's images/s against the training step's demand (this config)."""
+    seed_everything(cfg.RNG_SEED)
+    parts = build_components(cfg, loaders=False)
+    batch = cfg.TRAIN.BATCH_SIZE
+    train = timing.time_train(parts, batch, 1, steps, budget_s=20.0)
+    demand = batch / train["step_s"]
+    rate, on = loader_throughput(cfg, 2, budget_s=20.0)
+    ok = rate >= 1.2 * demand
+    return [
+        _row(
+            f"loader vs step demand ({os.path.basename(cfg_file)})",
+            f"{rate:.0f} img/s on {on} vs {demand:.0f} img/s demand",
+            "ok" if ok else "warning",
+            ""
+            if ok
+            else "the loader would starve the step: raise DATA_LOADER.NUM_WORKERS "
+            "or give the job more CPU cores",
+        )
+    ]
+
+
+def print_table(rows):
+    width = max(len(r["check"]) for r in rows)
+    for r in rows:
+        fix = f"  ({r['fix']})" if r["fix"] else ""
+        print(f"{r['check']:<{width}}  {r['verdict']:<8} {r['result']}{fix}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cfg", dest="cfg_file", default=TINY_CFG)
+    parser.add_argument("--steps", type=int, default=10, help="training steps")
+    parser.add_argument("--tolerance", type=float, default=0.05)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.steps < 1:
+        raise UserError("--steps must be >= 1")
+    tiny = load_cfg(TINY_CFG, TINY)
+    cfg = load_cfg(args.cfg_file, ["DATA.PATH", ""])
+    apply_backend_flags(tiny)
+    device = distributed.device()
+    reason = cuda_unusable_reason()
+    rows = [
+        _row(
+            "device",
+            describe_device(device),
+            "warning" if reason else "ok",
+            reason or "",
+        )
+    ]
+    rows += check_amp(tiny, args.steps, args.tolerance)
+    rows += check_parallel(tiny, args.steps)
+    rows += check_matmul(device)
+    rows += check_loader(cfg, args.cfg_file, args.steps)
+    if device.type == "cpu":
+        rows.append(
+            _row("GPU checks", "skipped", "skipped", "no GPU: NCCL, TF32, GPU memory")
+        )
+    print_table(rows)
+    if args.json:
+        print(json.dumps({"rows": rows}))
+
+
+if __name__ == "__main__":
+    run(main)
