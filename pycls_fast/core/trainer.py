@@ -27,6 +27,7 @@ from pycls_fast.config import dump_cfg
 from pycls_fast.core import distributed
 from pycls_fast.core.checkpoint import CheckpointManager, files
 from pycls_fast.core.checkpoint.weights import load_model_weights
+from pycls_fast.core.device_info import describe_device
 from pycls_fast.core.ema import create_ema, ema_alpha, ema_enabled, update_ema
 from pycls_fast.core.logging import format_eta, log_json_stats, setup_logging
 from pycls_fast.core.meters import EpochMeter, memory_mb, topk_errors
@@ -36,6 +37,7 @@ from pycls_fast.core.precision import (
     AmpMode,
     LossScaler,
     MasterWeights,
+    apply_backend_flags,
     autocast,
     describe_precision,
     input_dtype,
@@ -95,11 +97,17 @@ def seed_everything(seed):
 
 
 def setup_run(cfg):
-    """Creates OUT_DIR (checking it is writable) and sets up logging."""
+    """Creates OUT_DIR (checking it is writable), sets up logging and the backend
+    flags (TF32, cuDNN autotuning), and logs where and on what the run goes."""
     prepare_out_dir(cfg)
     setup_logging(cfg.OUT_DIR, cfg.LOG_DEST, distributed.is_main())
-    if torch.cuda.is_available():
-        torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
+    apply_backend_flags(cfg)
+    logger.info(
+        "output folder %s; device %s; %d process(es)",
+        os.path.abspath(cfg.OUT_DIR),
+        describe_device(distributed.device()),
+        distributed.world_size(),
+    )
 
 
 def prepare_out_dir(cfg):
