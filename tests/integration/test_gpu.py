@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pycls_fast.datasets.device import DeviceBatchTransform, to_device
-from tests.test_datasets_device import _cfg, _images
+from tests.unit.test_datasets_device import _cfg, _images
 
 pytestmark = pytest.mark.gpu
 
