@@ -26,7 +26,7 @@ def test_lighting_is_drawn_on_the_cuda_device():
 
 def test_prefetcher_on_a_side_stream_matches_the_plain_transform():
     from pycls_fast.datasets.prefetch import DevicePrefetcher
-    from tests.test_datasets_prefetch import _Loader
+    from tests.unit.test_datasets_prefetch import _Loader
 
     cfg = _cfg()
     cfg.TRAIN.PCA_STD = 0.0  # no random draws: both paths give the same values
