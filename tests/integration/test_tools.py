@@ -1,4 +1,4 @@
-"""Command-line tools: contracts of design.md (output, exit codes, one-line errors)."""
+"""Command-line tools: their contracts (output, exit codes, one-line errors)."""
 
 import json
 import os
