@@ -4,6 +4,7 @@
 KEY VALUE pairs override config keys. TEST.WEIGHTS is a checkpoint file or a sharded
 (FSDP) checkpoint directory. Runs under torchrun or with NUM_GPUS N like train_net."""
 
+from pycls_fast.config import check_launch
 from pycls_fast.core.cli import cfg_from_args, config_parser, run
 from pycls_fast.core.launch import launch
 from pycls_fast.core.trainer import test_model
@@ -13,6 +14,7 @@ from pycls_fast.datasets.loader import check_data
 def main():
     parser = config_parser("Evaluate TEST.WEIGHTS on DATA.PATH/TEST.SPLIT.")
     cfg = cfg_from_args(parser.parse_args())
+    check_launch(cfg)  # what to run is refused before what to read
     check_data(cfg, ("test",))  # once, before any rank starts
     record = launch(test_model, cfg)
     if record is None:  # not rank 0

@@ -7,6 +7,7 @@ the CPU cores); under `torchrun --nproc_per_node N` each process is one rank."""
 import logging
 import os
 
+from pycls_fast.config import check_launch
 from pycls_fast.core.cli import cfg_from_args, config_parser, run
 from pycls_fast.core.launch import launch
 from pycls_fast.core.trainer import train_model
@@ -29,6 +30,7 @@ def train(cfg):
 def main():
     parser = config_parser("Train a model (logs, checkpoints and plots in OUT_DIR).")
     cfg = cfg_from_args(parser.parse_args())
+    check_launch(cfg)  # what to run is refused before what to read
     check_data(cfg, ("train", "test"))  # once, before any rank starts
     results = launch(train, cfg)
     if results is None:  # not rank 0
