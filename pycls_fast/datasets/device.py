@@ -39,6 +39,8 @@ def to_device(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies a host batch to `device`; returns (images, labels), still uint8 / int64.
 
+    `images`: uint8 (B, 3, H, W); `labels`: int64 (B,); shapes are kept.
+
     On CUDA the copies are non-blocking from pinned memory (pinned here unless the
     loader already allocated the batch pinned), so they overlap with compute.
     """
