@@ -78,7 +78,9 @@ def _comment_above(lines, lineno):
     return " ".join(reversed(out))
 
 
-def parse_docs(path):
+def parse_docs(
+    path: str,
+) -> tuple[list[tuple[str | None, list[tuple[str, str]]]], dict[str, str]]:
     """Returns ([(node or None, [(key, comment)])], {node: comment}) from config.py.
 
     Keys are the `_key("NAME", ...)` statements, nodes the `_C.NAME = CfgNode()`
@@ -119,7 +121,7 @@ def _default(cfg, key):
     return value
 
 
-def limits(key):
+def limits(key: str) -> str:
     """The limits column of `key`: its declared limit, 'ignored' (accepted, not acted
     on), its refused values."""
     out = []
@@ -131,7 +133,7 @@ def limits(key):
     return "; ".join(out)
 
 
-def render():
+def render() -> str:
     """Returns the text of docs/CONFIG.md."""
     sections, node_docs = parse_docs(config.__file__)
     cfg = config.get_cfg()
@@ -148,7 +150,7 @@ def render():
     return "\n".join(out) + "\n"
 
 
-def undocumented():
+def undocumented() -> list[str]:
     """Returns the config keys that have no comment in config.py."""
     sections, _ = parse_docs(config.__file__)
     return [key for _, keys in sections for key, doc in keys if not doc]

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 
 import torch
+from yacs.config import CfgNode
 
 from pycls_fast.errors import DeviceError
 
@@ -125,7 +126,7 @@ def cuda_unusable_reason() -> str | None:
     )
 
 
-def check_gpus_usable(cfg) -> None:
+def check_gpus_usable(cfg: CfgNode) -> None:
     """Raises DeviceError when the config asks for GPUs (NUM_GPUS > 1 or a torchrun
     world, with DIST_BACKEND 'nccl') that this machine has but cannot use; on a
     machine without an NVIDIA driver the job runs on CPUs instead, as before."""

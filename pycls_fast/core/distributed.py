@@ -7,40 +7,43 @@ Work in a single process needs none of it: every helper falls back to rank 0 of 
 
 import hashlib
 import os
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from yacs.config import CfgNode
 
 from pycls_fast.core.device_info import check_local_rank
 from pycls_fast.errors import ConfigError
 
 
-def is_initialized():
+def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def rank():
+def rank() -> int:
     return dist.get_rank() if is_initialized() else 0
 
 
-def world_size():
+def world_size() -> int:
     return dist.get_world_size() if is_initialized() else 1
 
 
-def is_main():
+def is_main() -> bool:
     """Whether this process writes logs, plots and single-file outputs."""
     return rank() == 0
 
 
-def local_rank():
+def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def local_world_size():
+def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
 
 
-def device():
+def device() -> torch.device:
     """This process's device: GPU LOCAL_RANK when CUDA is usable, else the CPU.
 
     Raises DeviceError (a ConfigError) when LOCAL_RANK names no visible GPU, rather
@@ -51,17 +54,17 @@ def device():
     return torch.device("cpu")
 
 
-def local_tensor(t):
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP parameter, gradient, state), else `t`."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def all_reduce_sum(values):
+def all_reduce_sum(values: Iterable[float]) -> list[float]:
     """Sums a list of floats across processes (identity in a single process)."""
     return _all_reduce(values, dist.ReduceOp.SUM)
 
 
-def all_reduce_max(values):
+def all_reduce_max(values: Iterable[float]) -> list[float]:
     """Maximum of a list of floats across processes (identity in a single process)."""
     return _all_reduce(values, dist.ReduceOp.MAX)
 
@@ -79,12 +82,12 @@ def _reduce_device():
     return device() if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def barrier():
+def barrier() -> None:
     if is_initialized():
         dist.barrier()
 
 
-def broadcast_object(obj):
+def broadcast_object(obj: Any) -> Any:
     """Rank 0's `obj`, on every rank (identity in a single process)."""
     if not is_initialized():
         return obj
@@ -93,7 +96,7 @@ def broadcast_object(obj):
     return box[0]
 
 
-def all_gather_object(obj):
+def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order ([obj] in a single process)."""
     if not is_initialized():
         return [obj]
@@ -102,7 +105,7 @@ def all_gather_object(obj):
     return out
 
 
-def check_same_config(cfg):
+def check_same_config(cfg: CfgNode) -> None:
     """Raises ConfigError when any rank was started with another config than rank 0
     (e.g. different command-line overrides on different nodes)."""
     if not is_initialized():
@@ -116,6 +119,6 @@ def check_same_config(cfg):
         )
 
 
-def destroy_process_group():
+def destroy_process_group() -> None:
     if is_initialized():
         dist.destroy_process_group()

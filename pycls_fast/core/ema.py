@@ -3,11 +3,13 @@
 import copy
 
 import torch
+from torch import nn
+from yacs.config import CfgNode
 
 from pycls_fast.core.distributed import local_tensor
 
 
-def create_ema(model):
+def create_ema(model: nn.Module) -> nn.Module:
     """Returns a frozen copy of `model` to hold the EMA weights (same dtypes)."""
     ema = copy.deepcopy(model)
     for p in ema.parameters():
@@ -15,7 +17,7 @@ def create_ema(model):
     return ema
 
 
-def ema_alpha(cfg, epoch):
+def ema_alpha(cfg: CfgNode, epoch: float) -> float:
     """pycls's EMA update value, made fairly independent of batch size and length.
 
     alpha = EMA_ALPHA * BATCH_SIZE / MAX_EPOCH * EMA_UPDATE_PERIOD (capped at 1); during
@@ -27,7 +29,7 @@ def ema_alpha(cfg, epoch):
 
 
 @torch.no_grad()
-def update_ema(model, ema, alpha):
+def update_ema(model: nn.Module, ema: nn.Module, alpha: float) -> None:
     """ema <- (1 - alpha) * ema + alpha * model, over the whole state (buffers too)."""
     # FSDP: both are sharded alike, so each rank updates its own shards.
     ema_tensors = [local_tensor(t) for t in ema.state_dict().values()]
@@ -41,6 +43,6 @@ def update_ema(model, ema, alpha):
             e.copy_(t)
 
 
-def ema_enabled(cfg):
+def ema_enabled(cfg: CfgNode) -> bool:
     """Whether the config asks for an EMA model."""
     return cfg.OPTIM.EMA_ALPHA > 0 and cfg.OPTIM.EMA_UPDATE_PERIOD > 0

@@ -13,9 +13,12 @@ import os
 import random
 import socket
 import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from yacs.config import CfgNode
 
 from pycls_fast.config import check_launch, with_overrides
 from pycls_fast.core import preemption
@@ -35,12 +38,12 @@ from pycls_fast.errors import (
 )
 
 
-def under_torchrun():
+def under_torchrun() -> bool:
     """Whether this process was started by torchrun (or another env:// launcher)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def backend_for(cfg):
+def backend_for(cfg: CfgNode) -> str:
     """NCCL on GPUs (DIST_BACKEND), gloo on CPUs."""
     return cfg.DIST_BACKEND if torch.cuda.is_available() else "gloo"
 
@@ -53,7 +56,7 @@ def _timeout(cfg):
 _joined_env_group = False
 
 
-def init_process_group(cfg):
+def init_process_group(cfg: CfgNode) -> None:
     """Joins the env:// process group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
     with a timeout on every collective, so a lost rank stops the job instead of
     hanging it; sets this process's GPU (LOCAL_RANK, checked) and CPU threads."""
@@ -79,7 +82,7 @@ def _bind_device(cfg):
     return {"device_id": gpu} if backend_for(cfg) == "nccl" else {}
 
 
-def init_single_process_group(cfg):
+def init_single_process_group(cfg: CfgNode) -> None:
     """A process group of one (FSDP needs one even on a single device), on GPU
     LOCAL_RANK when CUDA is usable."""
     store = dist.HashStore()
@@ -122,7 +125,7 @@ def _free_port(cfg):
     raise ConfigError(f"no free port in PORT_RANGE {list(cfg.PORT_RANGE)}")
 
 
-def launch(fn, cfg):
+def launch(fn: Callable[[CfgNode], Any], cfg: CfgNode) -> Any:
     """Runs `fn(cfg)` as the job the config and environment ask for; returns its result
     on rank 0 (also when this process spawned the ranks), None on the other ranks.
 
@@ -239,7 +242,7 @@ def _hard_exit(code):
     os._exit(code)
 
 
-def exit_process(code):
+def exit_process(code: int) -> NoReturn:
     """Exits with status `code`: through `_hard_exit` in a torchrun worker that joined
     a process group (the same teardown abort showed there too: "terminate called
     without an active exception", SIGABRT after the run had finished), else through

@@ -11,13 +11,16 @@ learning rate moves every iteration (OPTIM.LR_PER_ITER; pycls updates once per e
 """
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+from yacs.config import CfgNode
 
 
-def param_groups(model, cfg):
+def param_groups(model: nn.Module, cfg: CfgNode) -> list[dict[str, Any]]:
     """Splits trainable parameters into pycls's weight-decay groups.
 
     Returns a list of {"params": [...], "weight_decay": wd, "name": ...}: BN and LN
@@ -57,7 +60,7 @@ def param_groups(model, cfg):
     return out
 
 
-def fused_supported(groups):
+def fused_supported(groups: Sequence[dict[str, Any]]) -> bool:
     """Whether torch has a fused optimizer kernel for every parameter of `groups`:
     floating point, on a device type torch lists as fused-capable. The same test
     torch applies at the first `step()` (torch/optim/optimizer.py,
@@ -83,7 +86,9 @@ def _multi_tensor_kwargs(mta, groups):
     return {"fused": True} if fused_supported(groups) else {"foreach": True}
 
 
-def construct_optimizer(groups, cfg):
+def construct_optimizer(
+    groups: Sequence[dict[str, Any]], cfg: CfgNode
+) -> torch.optim.Optimizer:
     """Returns the OPTIM.OPTIMIZER optimizer over `groups` (from `param_groups`)."""
     o = cfg.OPTIM
     name = o.OPTIMIZER
@@ -126,7 +131,7 @@ def _lr_policy(o, epoch):
     raise ValueError(f"unknown OPTIM.LR_POLICY {o.LR_POLICY!r}")
 
 
-def lr_at(cfg, epoch):
+def lr_at(cfg: CfgNode, epoch: float) -> float:
     """Learning rate at `epoch` (float: epoch + iter / iters_per_epoch), with warmup.
 
     Warmup goes linearly from WARMUP_FACTOR to 1 over WARMUP_EPOCHS (pycls). With
@@ -142,7 +147,7 @@ def lr_at(cfg, epoch):
     return lr
 
 
-def set_lr(optimizer, lr):
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Sets the learning rate of every parameter group."""
     for group in optimizer.param_groups:
         group["lr"] = lr

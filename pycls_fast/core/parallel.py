@@ -19,35 +19,40 @@ parameters in fp32 for compute under O2.
 """
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from yacs.config import CfgNode
 
 from pycls_fast.core import distributed
 from pycls_fast.core.precision import AmpMode
 from pycls_fast.models.vit import ViTEncoderBlock
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
 _NORMS = (nn.LayerNorm, nn.BatchNorm2d)
 
 
-def encoder_blocks(model):
+def encoder_blocks(model: nn.Module) -> list[ViTEncoderBlock]:
     """The units that FSDP shards and activation checkpointing recomputes."""
     return [m for m in model.modules() if isinstance(m, ViTEncoderBlock)]
 
 
-def fsdp_enabled(cfg):
+def fsdp_enabled(cfg: CfgNode) -> bool:
     return cfg.FSDP.ENABLED
 
 
-def reshard_after_forward(cfg):
+def reshard_after_forward(cfg: CfgNode) -> bool:
     """FSDP.RESHARD_AFTER_FW (a loaded config has pycls's DO_NOT_RESHARD_AFTER_FW
     resolved onto it)."""
     return cfg.FSDP.RESHARD_AFTER_FW
 
 
-def fsdp_mixed_precision(mode, half):
+def fsdp_mixed_precision(mode: AmpMode, half: torch.dtype) -> "MixedPrecisionPolicy":
     """FSDP2's MixedPrecisionPolicy for an AMP mode (see the module docstring)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -56,7 +61,7 @@ def fsdp_mixed_precision(mode, half):
     return MixedPrecisionPolicy()
 
 
-def apply_activation_checkpointing(model):
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     """Recomputes each encoder block's forward in backward (names unchanged)."""
     from torch.distributed._composable import checkpoint
 
@@ -65,7 +70,9 @@ def apply_activation_checkpointing(model):
     return model
 
 
-def shard_model(model, cfg, mode, half):
+def shard_model(
+    model: nn.Module, cfg: CfgNode, mode: AmpMode, half: torch.dtype
+) -> nn.Module:
     """Applies fully_shard per encoder block, then to the root (in place)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -96,7 +103,9 @@ def _fp32_allreduce_hook(_, bucket):
     return fut.then(copy_back)
 
 
-def wrap_ddp(model, mode, device):
+def wrap_ddp(
+    model: nn.Module, mode: AmpMode, device: torch.device
+) -> DistributedDataParallel:
     """DistributedDataParallel over this process's device."""
     ids = [device.index] if device.type == "cuda" else None
     # pos_embedding (1, seq, hidden) gets its gradient with another stride on its
@@ -110,7 +119,13 @@ def wrap_ddp(model, mode, device):
     return ddp
 
 
-def parallelize(model, cfg, mode, half, device):
+def parallelize(
+    model: nn.Module,
+    cfg: CfgNode,
+    mode: AmpMode,
+    half: torch.dtype,
+    device: torch.device,
+) -> nn.Module:
     """Returns the module to train: `model` itself (one process, or sharded in place
     by FSDP) or a DDP wrapper around it. `model` is on `device`, prepared for `mode`
     (for FSDP O2: still fp32, see the module docstring)."""
@@ -123,12 +138,12 @@ def parallelize(model, cfg, mode, half, device):
     return model
 
 
-def unwrap(model):
+def unwrap(model: nn.Module) -> nn.Module:
     """The model inside a DDP wrapper (FSDP shards in place: nothing to unwrap)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def state_bytes(model, optimizer):
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds in parameters, gradients and optimizer state: a sharded
     model holds only its shards. Returns {params, grads, optimizer, total}."""
     params = list(model.parameters())

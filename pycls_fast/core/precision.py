@@ -13,15 +13,18 @@ fp16 uses dynamic loss scaling (`GradScaler`), bf16 needs none.
 
 import contextlib
 import enum
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
+from yacs.config import CfgNode
 
 from pycls_fast.config import legacy_amp_mode
 from pycls_fast.core.distributed import local_tensor
 
 
-def apply_backend_flags(cfg):
+def apply_backend_flags(cfg: CfgNode) -> None:
     """Sets this process's CUDA math flags once, at setup: fp32 matmuls and cuDNN
     convolutions in TF32 (AMP.TF32) or IEEE fp32, and cuDNN autotuning
     (CUDNN.BENCHMARK). Harmless on a CPU (the flags concern CUDA only).
@@ -34,7 +37,7 @@ def apply_backend_flags(cfg):
     torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
 
 
-def fp32_math():
+def fp32_math() -> str:
     """How fp32 matmuls run on CUDA now: 'tf32' or 'ieee' (torch's setting)."""
     return torch.backends.cuda.matmul.fp32_precision
 
@@ -51,7 +54,7 @@ class AmpMode(enum.Enum):
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_amp(cfg):
+def resolve_amp(cfg: CfgNode) -> tuple[AmpMode, torch.dtype]:
     """Returns (AmpMode, half dtype): AMP.MODE, or for AMP.MODE '' (a config built
     from get_cfg(), not loaded) what pycls's aliases ask for (config.legacy_amp_mode).
 
@@ -64,7 +67,7 @@ def resolve_amp(cfg):
     return AmpMode(mode), DTYPES[cfg.AMP.DTYPE]
 
 
-def describe_precision(mode, half):
+def describe_precision(mode: AmpMode, half: torch.dtype) -> str:
     """The precision of a run in words, for logs: 'fp32', or e.g.
     'O1 (bf16 autocast, fp32 weights)'."""
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(half, str(half))
@@ -76,7 +79,9 @@ def describe_precision(mode, half):
     }[mode]
 
 
-def prepare_model(model, mode, dtype, layer_norm_fp32=True):
+def prepare_model(
+    model: nn.Module, mode: AmpMode, dtype: torch.dtype, layer_norm_fp32: bool = True
+) -> nn.Module:
     """Casts the model's parameters and buffers for `mode` (in place); returns it."""
     if mode in (AmpMode.O2, AmpMode.O3):
         model.to(dtype)
@@ -87,12 +92,14 @@ def prepare_model(model, mode, dtype, layer_norm_fp32=True):
     return model
 
 
-def input_dtype(mode, dtype):
+def input_dtype(mode: AmpMode, dtype: torch.dtype) -> torch.dtype:
     """The dtype images are normalized to for the model's first layer."""
     return dtype if mode in (AmpMode.O2, AmpMode.O3) else torch.float32
 
 
-def autocast(device_type, mode, dtype):
+def autocast(
+    device_type: str, mode: AmpMode, dtype: torch.dtype
+) -> contextlib.AbstractContextManager:
     """The autocast context of a forward pass in `mode`.
 
     O1 autocasts; O2 autocasts too so that fp32 LayerNorms meet half-precision
@@ -112,7 +119,7 @@ class MasterWeights:
     fp32) are used as they are.
     """
 
-    def __init__(self, params):
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
         self.model_params = [p for p in params if p.requires_grad]
         self.master_params = [
             p if p.dtype == torch.float32 else p.detach().float().requires_grad_()
@@ -125,12 +132,12 @@ class MasterWeights:
             (m, p) for m, p in zip(self.master_params, self.model_params) if m is not p
         ]
 
-    def master_for(self, param):
+    def master_for(self, param: nn.Parameter) -> torch.Tensor:
         """The fp32 parameter the optimizer should update in place of `param`."""
         return self._by_param[id(param)]
 
     @torch.no_grad()
-    def grads_to_master(self):
+    def grads_to_master(self) -> None:
         """Copies the model's half-precision grads to the master params (as fp32)."""
         for m, p in self._pairs:
             if p.grad is None:
@@ -142,18 +149,18 @@ class MasterWeights:
             p.grad = None
 
     @torch.no_grad()
-    def master_to_model(self):
+    def master_to_model(self) -> None:
         """Copies the updated fp32 master weights back into the model."""
         if self._pairs:
             torch._foreach_copy_(
                 [p for _, p in self._pairs], [m for m, _ in self._pairs]
             )
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
         return {"master": [m.detach().clone() for m, _ in self._pairs]}
 
     @torch.no_grad()
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
         for (m, _), saved in zip(self._pairs, state["master"]):
             m.copy_(saved)
         self.master_to_model()
@@ -170,18 +177,21 @@ class LossScaler:
     skip the same steps (sharded grads overflow on one rank only).
     """
 
-    def __init__(self, enabled, init_scale=2.0**16, growth_interval=2000):
+    def __init__(
+        self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000
+    ) -> None:
         self.enabled = enabled
         self.scale_value = init_scale if enabled else 1.0
         self.growth_interval = growth_interval
         self.clean_steps = 0
         self.skipped_steps = 0
 
-    def scale(self, loss):
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss`: float scalar tensor; returns it times the scale (same dtype)."""
         return loss * self.scale_value if self.enabled else loss
 
     @torch.no_grad()
-    def unscale_(self, params):
+    def unscale_(self, params: Iterable[nn.Parameter]) -> bool:
         """Unscales the grads of `params` in place; returns True on inf/NaN."""
         if not self.enabled:
             return False
@@ -202,7 +212,7 @@ class LossScaler:
             torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
         return bool(found_inf.item())
 
-    def update(self, found_inf):
+    def update(self, found_inf: bool) -> None:
         if not self.enabled:
             return
         if found_inf:
@@ -214,19 +224,19 @@ class LossScaler:
             if self.clean_steps % self.growth_interval == 0:
                 self.scale_value *= 2.0
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return {
             "scale": self.scale_value,
             "clean_steps": self.clean_steps,
             "skipped_steps": self.skipped_steps,
         }
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale_value = state["scale"]
         self.clean_steps = state["clean_steps"]
         self.skipped_steps = state["skipped_steps"]
 
 
-def loss_scaler(dtype):
+def loss_scaler(dtype: torch.dtype) -> LossScaler:
     """The loss scaler for a half dtype: dynamic for fp16, disabled otherwise."""
     return LossScaler(enabled=dtype == torch.float16)

@@ -19,11 +19,11 @@ class RunLock:
     """Holds OUT_DIR/.lock for the life of a training: `with RunLock(out_dir):`, or
     `acquire()` ... `release()`."""
 
-    def __init__(self, out_dir):
+    def __init__(self, out_dir: str) -> None:
         self.path = os.path.join(out_dir, LOCK_FILE)
         self.fd = None
 
-    def acquire(self):
+    def acquire(self) -> "RunLock":
         """Takes the lock; OutDirInUseError naming the holder if another has it."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -40,14 +40,14 @@ class RunLock:
         self.fd = fd
         return self
 
-    def release(self):
+    def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing releases the lock
             self.fd = None
 
-    def __enter__(self):
+    def __enter__(self) -> "RunLock":
         return self.acquire()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> bool:
         self.release()
         return False

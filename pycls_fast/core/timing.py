@@ -150,18 +150,18 @@ def time_train(
     model, device = parts.trained, parts.device
     model.train()
 
-    def forward():
+    def forward() -> None:
         with torch.no_grad(), autocast(device.type, parts.mode, parts.half_dtype):
             model(inputs)
 
-    def forward_backward():
+    def forward_backward() -> None:
         with autocast(device.type, parts.mode, parts.half_dtype):
             loss = F.cross_entropy(model(inputs).float(), targets)
         loss.backward()
         for p in model.parameters():
             p.grad = None
 
-    def step():
+    def step() -> None:
         train_step(parts, inputs, targets)
 
     phases = {"fwd_s": forward, "fwd_bwd_s": forward_backward, "step_s": step}
@@ -211,7 +211,7 @@ def time_test(
     model = parts.trained
     model.eval()
 
-    def forward():
+    def forward() -> None:
         with torch.no_grad(), autocast(parts.device.type, parts.mode, parts.half_dtype):
             model(inputs)
 

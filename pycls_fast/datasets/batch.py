@@ -8,12 +8,14 @@ the threaded and the process loader yield identical batches.
 import random
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from pycls_fast.datasets.decode import DECODE_ERRORS, EncodedImage
+from pycls_fast.datasets.index import FileIndex
 
 
 class Batch(NamedTuple):
@@ -26,7 +28,7 @@ class Batch(NamedTuple):
     bad: list
 
 
-def image_seed(seed, epoch, index):
+def image_seed(seed: int, epoch: int, index: int) -> int:
     """The integer seed of image `index` in `epoch` (distinct for distinct triples)."""
     return ((seed * 1_000_003 + epoch) << 32) + int(index)
 
@@ -42,14 +44,14 @@ class BufferPool:
     in use.
     """
 
-    def __init__(self, keep=8):
+    def __init__(self, keep: int = 8) -> None:
         self.keep = keep
         self._idle = []
         # Reentrant: a garbage collection inside get() may run a finalizer (_put) in
         # the thread that holds the lock.
         self._lock = threading.RLock()
 
-    def get(self, shape):
+    def get(self, shape: tuple[int, ...]) -> np.ndarray:
         """Returns an uninitialized uint8 array of `shape` (a view of a pooled one)."""
         with self._lock:
             for i, base in enumerate(self._idle):
@@ -71,7 +73,14 @@ class BufferPool:
 class ImageDecoder:
     """Decodes and transforms images of a FileIndex; picklable for worker processes."""
 
-    def __init__(self, index, transform, im_size, seed, pin_memory=False):
+    def __init__(
+        self,
+        index: FileIndex,
+        transform: Callable[[EncodedImage, random.Random, np.ndarray], None],
+        im_size: int,
+        seed: int,
+        pin_memory: bool = False,
+    ) -> None:
         self.index = index
         self.transform = transform
         self.shape = (im_size, im_size, 3)
@@ -86,7 +95,7 @@ class ImageDecoder:
         # Worker processes allocate their batches in shared memory, not from a pool.
         return {**self.__dict__, "pool": None}
 
-    def load_into(self, i, epoch, out):
+    def load_into(self, i: int, epoch: int, out: np.ndarray) -> tuple[str, str] | None:
         """Decodes image `i` into `out`, a writable uint8 (H, W, 3) array; returns
         None, or (path, error) if the file cannot be decoded (`out` is then left in
         any state)."""
@@ -103,18 +112,18 @@ class ImageDecoder:
                 image.close()
         return None
 
-    def load(self, i, epoch):
+    def load(self, i: int, epoch: int) -> np.ndarray | tuple[str, str]:
         """Returns image `i` as a new uint8 (H, W, 3) array, or (path, error) if the
         file cannot be decoded."""
         out = np.empty(self.shape, dtype=np.uint8)
         bad = self.load_into(i, epoch, out)
         return out if bad is None else bad
 
-    def new_batch(self, indices):
+    def new_batch(self, indices: Sequence[int] | np.ndarray) -> "PartialBatch":
         """Returns an empty PartialBatch for `indices` (int array), to be filled."""
         return PartialBatch(self, np.asarray(indices))
 
-    def load_batch(self, indices, epoch):
+    def load_batch(self, indices: Sequence[int] | np.ndarray, epoch: int) -> Batch:
         """Decodes `indices` (int array) into one Batch, skipping bad images."""
         part = self.new_batch(indices)
         part.fill(0, len(indices), epoch)
@@ -130,7 +139,7 @@ class PartialBatch:
     behind the running ones hold no memory.
     """
 
-    def __init__(self, decoder, indices):
+    def __init__(self, decoder: ImageDecoder, indices: np.ndarray) -> None:
         self.decoder = decoder
         self.indices = indices
         self._images = None
@@ -140,7 +149,7 @@ class PartialBatch:
         self.chunks_done = 0  # Counted by the (single) consumer of finished chunks.
 
     @property
-    def images(self):
+    def images(self) -> torch.Tensor:
         """The batch's uint8 (B, H, W, 3) tensor, allocated on first use."""
         if self._images is None:
             with self._lock:  # Two chunks of one batch may start at once.
@@ -154,7 +163,7 @@ class PartialBatch:
             return torch.from_numpy(self.decoder.pool.get(shape))
         return torch.empty(shape, dtype=torch.uint8, pin_memory=self.decoder.pin_memory)
 
-    def fill(self, start, stop, epoch):
+    def fill(self, start: int, stop: int, epoch: int) -> "PartialBatch":
         """Decodes rows `start` to `stop` (exclusive) of the batch; returns self."""
         buf = self.images.numpy()
         for row in range(start, stop):
@@ -164,7 +173,7 @@ class PartialBatch:
                 self.bad.append(bad)  # list.append is atomic: safe across threads.
         return self
 
-    def finish(self):
+    def finish(self) -> Batch:
         """Returns the Batch of the decoded rows, without the bad ones."""
         labels = self.decoder.index.labels[self.indices]
         if self.ok.all():
@@ -175,7 +184,11 @@ class PartialBatch:
         return make_batch(good, labels[self.ok], self.bad)
 
 
-def make_batch(images_nhwc, labels, bad):
+def make_batch(
+    images_nhwc: np.ndarray | torch.Tensor,
+    labels: np.ndarray | Sequence[int],
+    bad: list[tuple[str, str]],
+) -> Batch:
     """Wraps a uint8 (B, H, W, 3) array or tensor and labels into a Batch (no copy)."""
     images = torch.as_tensor(images_nhwc).permute(0, 3, 1, 2)
     return Batch(images, torch.from_numpy(np.asarray(labels, dtype=np.int64)), bad)

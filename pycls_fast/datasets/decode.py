@@ -24,6 +24,7 @@ import io
 import math
 import os
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -93,7 +94,7 @@ class _ThreadScratch(threading.local):
 _scratch = _ThreadScratch()
 
 
-def jpeg_rgb_size(data):
+def jpeg_rgb_size(data: bytes) -> tuple[int, int] | None:
     """Returns (width, height) from the header of a 3-component (YCbCr or RGB)
     Huffman-coded JPEG in `data` (bytes), or None for anything else: another format,
     grayscale, CMYK, other codings, or a header that does not parse."""
@@ -121,7 +122,9 @@ def jpeg_rgb_size(data):
     return None
 
 
-def draft_scale(size, box, out_size):
+def draft_scale(
+    size: tuple[int, int], box: Sequence[float], out_size: tuple[int, int]
+) -> int:
     """The DCT scale (1, 2, 4 or 8) at which a JPEG of `size` = (w, h) still yields a
     crop `box` = (left, top, right, bottom) of at least `out_size` = (w, h) pixels.
 
@@ -138,7 +141,7 @@ def draft_scale(size, box, out_size):
     return next(s for s in (8, 4, 2, 1) if ratio >= s)
 
 
-def decode_jpeg_rgbx(data, size, scale=1):
+def decode_jpeg_rgbx(data: bytes, size: tuple[int, int], scale: int = 1) -> np.ndarray:
     """Decodes the JPEG `data` (bytes; `size` = (w, h) from `jpeg_rgb_size`) at
     1/`scale` into this thread's decode buffer.
 
@@ -170,7 +173,9 @@ def _pixel_box(box, width, height):
     return max(left, 0), max(top, 0), min(right, width), min(bottom, height)
 
 
-def resize_crop_into(rgbx, box, out, flip=False):
+def resize_crop_into(
+    rgbx: np.ndarray, box: Sequence[float], out: np.ndarray, flip: bool = False
+) -> None:
     """Crops `box` out of `rgbx`, resizes it to `out`'s size, mirrors it if `flip`, and
     writes it into `out`.
 
@@ -217,7 +222,7 @@ class EncodedImage:
 
     __slots__ = ("data", "size", "_pil")
 
-    def __init__(self, data):
+    def __init__(self, data: bytes) -> None:
         self.data = data
         self._pil = None
         size = jpeg_rgb_size(data)
@@ -228,7 +233,7 @@ class EncodedImage:
             self.size = self.pil().size
 
     @classmethod
-    def read(cls, path):
+    def read(cls, path: str | os.PathLike[str]) -> "EncodedImage":
         """Reads the whole file at `path`.
 
         Four system calls (open, fstat, read, close), where `open(path).read()` makes
@@ -249,21 +254,23 @@ class EncodedImage:
         return cls(data)
 
     @property
-    def direct(self):
+    def direct(self) -> bool:
         """Whether the file is decoded without Pillow's header parsing."""
         return self._pil is None
 
-    def pil(self):
+    def pil(self) -> Image.Image:
         """The image opened lazily by Pillow (header parsed, pixels decoded on use)."""
         if self._pil is None:
             self._pil = Image.open(io.BytesIO(self.data))
         return self._pil
 
-    def close(self):
+    def close(self) -> None:
         if self._pil is not None:
             self._pil.close()
 
-    def crop_flip_resize_into(self, box, out, flip=False):
+    def crop_flip_resize_into(
+        self, box: Sequence[float], out: np.ndarray, flip: bool = False
+    ) -> None:
         """Decodes the image (at reduced JPEG scale where the crop allows), crops `box`
         (full-size pixels), mirrors it if `flip` and resizes it into `out`, a writable
         uint8 (H, W, 3) array."""
@@ -278,13 +285,15 @@ class EncodedImage:
         return resize_crop_into(rgbx, box, out, flip)
 
 
-def open_image(path):
+def open_image(path: str | os.PathLike[str]) -> Image.Image:
     """Reads the file at `path` and opens it lazily with Pillow (parses the header
     only, decodes on first use); returns a PIL Image."""
     return EncodedImage.read(path).pil()
 
 
-def draft_for(im, box, out_size):
+def draft_for(
+    im: Image.Image, box: Sequence[float], out_size: tuple[int, int]
+) -> Sequence[float]:
     """Lets a PIL JPEG decode at 1/2, 1/4 or 1/8 scale if the crop stays >= `out_size`.
 
     `box` = (left, top, right, bottom) in the full-size image; returns the box in the
@@ -302,7 +311,7 @@ def draft_for(im, box, out_size):
     return (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
 
 
-def to_rgb(im):
+def to_rgb(im: Image.Image) -> Image.Image:
     """Returns `im` as RGB: grayscale, palette, CMYK and alpha images are converted
     (alpha is dropped, as OpenCV's imread does for pycls)."""
     if im.mode == "RGB":
@@ -315,7 +324,9 @@ def to_rgb(im):
     return im.convert("RGB")
 
 
-def crop_resize(im, box, out_size):
+def crop_resize(
+    im: Image.Image, box: Sequence[float], out_size: tuple[int, int]
+) -> Image.Image:
     """Decodes `im`, crops `box` and resizes it to `out_size` = (w, h) in one call.
 
     Uses a JPEG draft when it keeps enough pixels; returns an RGB PIL Image.
@@ -325,7 +336,9 @@ def crop_resize(im, box, out_size):
     return im.resize(out_size, Image.BILINEAR, box=box)
 
 
-def crop_flip_resize(im, box, out_size, flip=False):
+def crop_flip_resize(
+    im: Image.Image, box: Sequence[float], out_size: tuple[int, int], flip: bool = False
+) -> np.ndarray:
     """Decodes the PIL image `im`, crops `box`, optionally mirrors it and resizes it to
     `out_size` = (w, h) as `EncodedImage.crop_flip_resize_into` does; returns a
     C-contiguous uint8 (h, w, 3) RGB array."""

@@ -13,9 +13,11 @@ The pieces are plain functions too: `to_device`, `normalize`, `pca_lighting_offs
 
 import functools
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
+from yacs.config import CfgNode
 
 # pycls's ImageNet statistics, in RGB order, in [0, 1] units.
 MEAN = (0.485, 0.456, 0.406)
@@ -29,8 +31,15 @@ EIG_VECS = (
 )
 
 
-def to_device(images, labels, device, pin_memory=True):
+def to_device(
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    device: torch.device | str,
+    pin_memory: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies a host batch to `device`; returns (images, labels), still uint8 / int64.
+
+    `images`: uint8 (B, 3, H, W); `labels`: int64 (B,); shapes are kept.
 
     On CUDA the copies are non-blocking from pinned memory (pinned here unless the
     loader already allocated the batch pinned), so they overlap with compute.
@@ -46,7 +55,13 @@ def to_device(images, labels, device, pin_memory=True):
     )
 
 
-def normalize(images, mean=MEAN, std=STD, dtype=torch.float32, offsets=None):
+def normalize(
+    images: torch.Tensor,
+    mean: Sequence[float] = MEAN,
+    std: Sequence[float] = STD,
+    dtype: torch.dtype = torch.float32,
+    offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Returns (images / 255 + offsets - mean) / std as `dtype`, on images' device.
 
     `images`: uint8 (B, 3, H, W); `mean`, `std`: 3 values in [0, 1] units;
@@ -69,7 +84,12 @@ def _constants(mean, std, device):
     return std_t, scale, -torch.tensor(mean, dtype=torch.float32, device=device)
 
 
-def pca_lighting_offsets(batch_size, alpha_std, generator=None, device="cpu"):
+def pca_lighting_offsets(
+    batch_size: int,
+    alpha_std: float,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """Returns float32 (B, 3) AlexNet-style PCA lighting shifts, in [0, 1] RGB units.
 
     Per image: eig_vecs @ (alpha * eig_vals) with alpha ~ N(0, alpha_std) (pycls's
@@ -89,15 +109,20 @@ def _eigen(device):
     return vecs, torch.tensor(EIG_VALS, dtype=torch.float32, device=device)
 
 
-def one_hot(labels, num_classes, smoothing=0.0):
-    """Returns float32 (B, num_classes) targets: 1 - smoothing + smoothing / n on the
-    label, smoothing / n elsewhere (pycls's smooth_one_hot_labels)."""
+def one_hot(
+    labels: torch.Tensor, num_classes: int, smoothing: float = 0.0
+) -> torch.Tensor:
+    """`labels`: int64 (B,). Returns float32 (B, num_classes) targets:
+    1 - smoothing + smoothing / n on the label, smoothing / n elsewhere (pycls's
+    smooth_one_hot_labels)."""
     off = smoothing / num_classes
     out = torch.full((len(labels), num_classes), off, device=labels.device)
     return out.scatter_(1, labels.view(-1, 1), 1.0 - smoothing + off)
 
 
-def cutmix_box(height, width, lam, rng):
+def cutmix_box(
+    height: int, width: int, lam: float, rng: np.random.Generator
+) -> tuple[int, int, int, int]:
     """Returns (top, bottom, left, right) of a box of about (1 - lam) of the area,
     centred uniformly at random and clipped to the image (timm's rand_bbox)."""
     ratio = math.sqrt(1.0 - lam)
@@ -108,7 +133,13 @@ def cutmix_box(height, width, lam, rng):
     return top, bottom, left, right
 
 
-def mix_batch(images, targets, mixup_alpha, cutmix_alpha, rng):
+def mix_batch(
+    images: torch.Tensor,
+    targets: torch.Tensor,
+    mixup_alpha: float,
+    cutmix_alpha: float,
+    rng: np.random.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Mixes each image with the image at the mirrored batch position (timm's 'batch'
     mode: partner of i is B-1-i) and its soft target with the same weight.
 
@@ -152,7 +183,14 @@ class DeviceBatchTransform:
     `state_dict()` / `load_state_dict()` carry both states across a resume.
     """
 
-    def __init__(self, cfg, device, dtype=torch.float32, train=True, rank=0):
+    def __init__(
+        self,
+        cfg: CfgNode,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+        train: bool = True,
+        rank: int = 0,
+    ) -> None:
         self.device = device
         self.dtype = dtype
         self.train = train
@@ -182,7 +220,9 @@ class DeviceBatchTransform:
         self.rng.bit_generator.state = state["numpy"]
         self.generator.set_state(state["torch"].to("cpu", torch.uint8))
 
-    def __call__(self, images, labels):
+    def __call__(
+        self, images: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`images`: uint8 (B, 3, H, W), `labels`: int64 (B,) on the host; returns
         (inputs `dtype` (B, 3, H, W), targets) on the device."""
         images, labels = to_device(images, labels, self.device, self.pin_memory)

@@ -14,7 +14,9 @@ from PIL import Image
 CLASSES = [f"digit_{d}" for d in range(10)]
 
 
-def build_digits_folder(root, size=32, val_frac=0.2, seed=0):
+def build_digits_folder(
+    root: str, size: int = 32, val_frac: float = 0.2, seed: int = 0
+) -> dict[str, int]:
     """Writes the digits folder under `root` (skipped if complete); returns
     {"train": n, "val": n} image counts."""
     from sklearn.datasets import load_digits

@@ -36,10 +36,10 @@ class FileIndex:
     paths: np.ndarray
     labels: np.ndarray
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.labels)
 
-    def path(self, i):
+    def path(self, i: int) -> str:
         """Returns the absolute path (str) of image `i`."""
         return os.path.join(self.split_dir, self.paths[i].decode())
 
@@ -58,7 +58,7 @@ def _class_dirs(split_dir):
     return classes
 
 
-def scan_split(split_dir):
+def scan_split(split_dir: str) -> FileIndex:
     """Scans `split_dir` and returns its FileIndex; UserError on a bad layout."""
     split_dir = os.path.abspath(split_dir)
     classes = _class_dirs(split_dir)
@@ -114,7 +114,7 @@ def _check_root(root):
         raise UserError(f"DATA.PATH folder not found: {root}{where}")
 
 
-def load_index(root, split, cache_dir=None):
+def load_index(root: str, split: str, cache_dir: str | None = None) -> FileIndex:
     """Returns the FileIndex of `root/split`, read from `cache_dir` when still valid.
 
     With `cache_dir` set, a fresh scan is written there (atomically) for the next run;

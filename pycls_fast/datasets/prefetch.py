@@ -17,6 +17,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from pycls_fast.datasets.device import DeviceBatchTransform
+
 
 def uses_side_stream(device: torch.device | str) -> bool:
     """Whether batches for `device` are prepared on a side CUDA stream."""
@@ -28,7 +30,7 @@ class DevicePrefetcher:
     iterating yields the transform's (inputs, targets) on its device. `len`,
     `set_epoch` and `stats` are the loader's."""
 
-    def __init__(self, loader: Iterable, transform):
+    def __init__(self, loader: Iterable, transform: DeviceBatchTransform) -> None:
         self.loader = loader
         self.transform = transform
         self.device = torch.device(transform.device)

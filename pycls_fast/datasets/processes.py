@@ -7,11 +7,12 @@ fallback.
 """
 
 import functools
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch.utils.data
 
-from pycls_fast.datasets.batch import make_batch
+from pycls_fast.datasets.batch import Batch, ImageDecoder, make_batch
 
 
 class _EpochDataset(torch.utils.data.Dataset):
@@ -45,7 +46,13 @@ def _collate(shape, items):
     return make_batch(out, [y for _, y in good], bad)
 
 
-def iterate_processes(decoder, batches, epoch, num_workers, prefetch):
+def iterate_processes(
+    decoder: ImageDecoder,
+    batches: Iterable[np.ndarray],
+    epoch: int,
+    num_workers: int,
+    prefetch: int,
+) -> Iterator[Batch]:
     """Yields one Batch per index array of `batches`, in order, decoded by
     `num_workers` worker processes (0: in this process), `prefetch` batches ahead in
     total (torch's prefetch_factor is per worker)."""

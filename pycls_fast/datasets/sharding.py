@@ -10,7 +10,9 @@ each image is evaluated exactly once across ranks; the last batch may be partial
 import numpy as np
 
 
-def rank_and_world_size(rank=None, world_size=None):
+def rank_and_world_size(
+    rank: int | None = None, world_size: int | None = None
+) -> tuple[int, int]:
     """Returns (rank, world_size): the arguments when given, else torch.distributed's
     when it is initialized, else (0, 1)."""
     if rank is not None and world_size is not None:
@@ -22,7 +24,9 @@ def rank_and_world_size(rank=None, world_size=None):
     return 0, 1
 
 
-def train_batches(num_images, batch_size, seed, epoch, rank, world_size):
+def train_batches(
+    num_images: int, batch_size: int, seed: int, epoch: int, rank: int, world_size: int
+) -> list[np.ndarray]:
     """Returns this rank's train batches for `epoch`: a list of int64 index arrays,
     each of `batch_size`, the same count on every rank, disjoint across ranks."""
     order = np.random.default_rng([seed, epoch]).permutation(num_images)
@@ -32,12 +36,14 @@ def train_batches(num_images, batch_size, seed, epoch, rank, world_size):
     return np.split(mine, num_batches) if num_batches else []
 
 
-def num_train_batches(num_images, batch_size, world_size):
+def num_train_batches(num_images: int, batch_size: int, world_size: int) -> int:
     """Train batches per rank per epoch (len of `train_batches`)."""
     return num_images // world_size // batch_size
 
 
-def test_batches(num_images, batch_size, rank, world_size):
+def test_batches(
+    num_images: int, batch_size: int, rank: int, world_size: int
+) -> list[np.ndarray]:
     """Returns this rank's test batches: a contiguous slice of the images (in index
     order) cut into batches of `batch_size`, the last one possibly smaller. The slices
     of all ranks cover every image exactly once."""

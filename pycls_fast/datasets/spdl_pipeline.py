@@ -17,9 +17,13 @@ scheduled by the consumer, which measured faster on few cores (docs/PERFORMANCE.
 this pipeline stays selectable, and is a comparison row of benchmarks/loader.py.
 """
 
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 from spdl.pipeline import AsyncQueue, PipelineBuilder, PipelineFailure
+
+from pycls_fast.datasets.batch import Batch, ImageDecoder
 
 # Tens of milliseconds of work per task at 224 px: spdl's per-task cost stays small.
 CHUNK_IMAGES = 16
@@ -30,15 +34,15 @@ TASKS_PER_THREAD = 2
 
 
 def iterate_spdl(
-    decoder,
-    batches,
-    epoch,
-    num_threads,
-    prefetch,
-    stats_interval=0,
-    chunk_images=CHUNK_IMAGES,
-    tasks_per_thread=TASKS_PER_THREAD,
-):
+    decoder: ImageDecoder,
+    batches: Iterable[np.ndarray],
+    epoch: int,
+    num_threads: int,
+    prefetch: int,
+    stats_interval: float = 0,
+    chunk_images: int = CHUNK_IMAGES,
+    tasks_per_thread: int = TASKS_PER_THREAD,
+) -> Iterator[Batch]:
     """Yields one Batch per index array of `batches`, in order.
 
     `decoder`: an ImageDecoder; `num_threads`: decoding threads (>= 1); `prefetch`:

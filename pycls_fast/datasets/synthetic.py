@@ -6,6 +6,7 @@ and decode like real photos (flat noise or gradients would not). Nothing is down
 """
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image
@@ -18,7 +19,9 @@ def _source_photos():
     return list(load_sample_images().images)
 
 
-def make_image(rng, photos, size):
+def make_image(
+    rng: np.random.Generator, photos: Sequence[np.ndarray], size: tuple[int, int]
+) -> Image.Image:
     """Returns one photo-like PIL RGB image of `size` = (width, height).
 
     A random crop (40-100% of the source side) of a random source photo, optionally
@@ -39,14 +42,14 @@ def make_image(rng, photos, size):
 
 
 def make_image_folder(
-    root,
-    splits=("train", "val"),
-    num_classes=4,
-    images_per_class=8,
-    size=(500, 375),
-    quality=95,
-    seed=0,
-):
+    root: str,
+    splits: Sequence[str] = ("train", "val"),
+    num_classes: int = 4,
+    images_per_class: int = 8,
+    size: tuple[int, int] = (500, 375),
+    quality: int = 95,
+    seed: int = 0,
+) -> str:
     """Writes `root/<split>/<class>/<image>.JPEG` and returns `root`.
 
     Classes are named like WordNet ids (`n00000000`, `n00000001`, ...). `size` is the

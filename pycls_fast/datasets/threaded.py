@@ -22,7 +22,12 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from pycls_fast.datasets.batch import Batch, ImageDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +36,9 @@ logger = logging.getLogger(__name__)
 TASKS_PER_THREAD = 2
 
 
-def chunks_per_batch(num_threads, prefetch, tasks_per_thread=TASKS_PER_THREAD):
+def chunks_per_batch(
+    num_threads: int, prefetch: int, tasks_per_thread: int = TASKS_PER_THREAD
+) -> int:
     """How many tasks each batch is split into: one per thread (the threads then work
     on the same batch, and the batches behind it need no buffer yet), or more if the
     `prefetch` batches in flight would otherwise hold fewer than `tasks_per_thread`
@@ -81,7 +88,14 @@ class _Stats:
             self._reset(now)
 
 
-def iterate_threaded(decoder, batches, epoch, num_threads, prefetch, stats_period=0):
+def iterate_threaded(
+    decoder: ImageDecoder,
+    batches: Iterable[np.ndarray],
+    epoch: int,
+    num_threads: int,
+    prefetch: int,
+    stats_period: float = 0,
+) -> Iterator[Batch]:
     """Yields one Batch per index array of `batches`, in order.
 
     `decoder`: an ImageDecoder; `num_threads`: decoding threads (>= 1); `prefetch`:

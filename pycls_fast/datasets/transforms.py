@@ -13,19 +13,28 @@ Colour normalization and PCA lighting are not here: they run on the device
 """
 
 import math
+import random
 import re
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from PIL import Image
+from yacs.config import CfgNode
 
-from pycls_fast.datasets.decode import crop_resize
+from pycls_fast.datasets.decode import EncodedImage, crop_resize
 from pycls_fast.errors import ConfigError
 
 # ImageNet mean in 0-255, timm's fill colour for geometric augmentations.
 _FILL = (124, 116, 104)
 
 
-def random_resized_crop_box(w, h, rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+def random_resized_crop_box(
+    w: int,
+    h: int,
+    rng: random.Random,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> tuple[int, int, int, int]:
     """Returns a random crop box (left, top, right, bottom) of a `w` x `h` image.
 
     The box covers a uniform fraction in `scale` of the area with a log-uniform aspect
@@ -55,7 +64,9 @@ def random_resized_crop_box(w, h, rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
     return (x, y, x + cw, y + ch)
 
 
-def center_crop_box(w, h, resize_size, crop_size):
+def center_crop_box(
+    w: int, h: int, resize_size: int, crop_size: int
+) -> tuple[float, float, float, float]:
     """Returns the box that 'resize the shorter side to `resize_size`, then center-crop
     `crop_size`' keeps, in the coordinates of the `w` x `h` original."""
     side = min(w, h) * crop_size / resize_size
@@ -63,7 +74,9 @@ def center_crop_box(w, h, resize_size, crop_size):
     return (x, y, x + side, y + side)
 
 
-def make_augment(augment, im_size):
+def make_augment(
+    augment: str, im_size: int
+) -> Callable[[Image.Image], Image.Image] | None:
     """Returns timm's transform for a pycls TRAIN.AUGMENT string, or None for ''.
 
     'AutoAugment': the ImageNet policy of the AutoAugment paper (timm 'original').
@@ -97,13 +110,21 @@ def make_augment(augment, im_size):
 class TrainTransform:
     """Random-resized-crop + flip (+ augment) to `im_size` x `im_size` RGB."""
 
-    def __init__(self, im_size, augment="", scale=(0.08, 1.0), hflip=0.5):
+    def __init__(
+        self,
+        im_size: int,
+        augment: str = "",
+        scale: Sequence[float] = (0.08, 1.0),
+        hflip: float = 0.5,
+    ) -> None:
         self.out_size = (im_size, im_size)
         self.augment = make_augment(augment, im_size)
         self.scale = tuple(scale)
         self.hflip = hflip
 
-    def __call__(self, image, rng, out):
+    def __call__(
+        self, image: EncodedImage, rng: random.Random, out: np.ndarray
+    ) -> None:
         """Writes the transformed `image` into `out`.
 
         `image`: an EncodedImage (not yet decoded); `rng`: a `random.Random`; `out`:
@@ -126,11 +147,13 @@ class TrainTransform:
 class TestTransform:
     """Resize the shorter side to `resize_size`, center-crop `im_size` (pycls)."""
 
-    def __init__(self, im_size, resize_size):
+    def __init__(self, im_size: int, resize_size: int) -> None:
         self.out_size = (im_size, im_size)
         self.resize_size = resize_size
 
-    def __call__(self, image, rng, out):
+    def __call__(
+        self, image: EncodedImage, rng: random.Random, out: np.ndarray
+    ) -> None:
         """Writes the center crop of `image` (an EncodedImage) into `out`, a writable
         uint8 (im_size, im_size, 3) array; `rng` is unused."""
         box = center_crop_box(*image.size, self.resize_size, self.out_size[0])
@@ -146,7 +169,7 @@ def _write(im, out):
     out[...] = arr
 
 
-def build_transform(cfg, train):
+def build_transform(cfg: CfgNode, train: bool) -> "TrainTransform | TestTransform":
     """Returns the train (TRAIN.IM_SIZE, TRAIN.AUGMENT) or test (TEST.IM_SIZE, then
     TRAIN.IM_SIZE) transform of `cfg`."""
     if train:

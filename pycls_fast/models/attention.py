@@ -35,14 +35,16 @@ MEASURED_BEST = {
 }
 
 
-def resolve_kernel(kernel, device_type, dtype):
+def resolve_kernel(kernel: str, device_type: str, dtype: torch.dtype) -> str:
     """Returns the concrete kernel name that `kernel` ('auto' or a name) stands for."""
     if kernel == "auto":
         return MEASURED_BEST.get((device_type, dtype), "sdpa")
     return kernel
 
 
-def explicit_attention(q, k, v):
+def explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v; q, k, v: (batch, heads, seq, head_dim), one dtype.
 
     Runs in the inputs' dtype even under autocast: autocast would compute the softmax
@@ -55,7 +57,9 @@ def explicit_attention(q, k, v):
         return torch.matmul(attn.softmax(dim=-1), v)
 
 
-def attend(q, k, v, kernel="auto"):
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str = "auto"
+) -> torch.Tensor:
     """Multi-head attention; q, k, v: (batch, heads, seq, head_dim) -> same shape."""
     kernel = resolve_kernel(kernel, q.device.type, q.dtype)
     if kernel == "explicit":

@@ -11,8 +11,11 @@ The conversion happens at the boundary, on state dicts; the model knows nothing 
 
 import functools
 import re
+from typing import Any
 
 import torch
+from torch import nn
+from yacs.config import CfgNode
 
 from pycls_fast.errors import ConfigError
 from pycls_fast.models.vit import ViTParams
@@ -48,7 +51,7 @@ def _key_map(n_layers, class_token):
     return pairs
 
 
-def unwrap_state_dict(obj):
+def unwrap_state_dict(obj: Any) -> Any:
     """Returns the state dict inside a checkpoint object (timm, pycls or plain)."""
     for key in ("model_state", "state_dict", "model", "state_dict_ema"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
@@ -71,7 +74,9 @@ def _resample_pos_embed(pos, p, num_prefix):
     return resample_abs_pos_embed(pos, [grid, grid], num_prefix_tokens=num_prefix)
 
 
-def from_timm(state_dict, cfg, *, drop_head=False):
+def from_timm(
+    state_dict: dict[str, Any], cfg: CfgNode, *, drop_head: bool = False
+) -> dict[str, torch.Tensor]:
     """Converts a timm ViT state dict to ours for `cfg`.
 
     Position embeddings of another image size are resampled to TRAIN.IM_SIZE; with
@@ -119,7 +124,7 @@ def from_timm(state_dict, cfg, *, drop_head=False):
     return out
 
 
-def to_timm(state_dict, cfg):
+def to_timm(state_dict: dict[str, Any], cfg: CfgNode) -> dict[str, torch.Tensor]:
     """Converts our ViT state dict for `cfg` to timm's VisionTransformer names."""
     p = ViTParams.from_cfg(cfg)
     _check_supported(p)
@@ -155,7 +160,7 @@ def _check_shapes(sd, p):
             )
 
 
-def build_timm_vit(cfg, **kwargs):
+def build_timm_vit(cfg: CfgNode, **kwargs: Any) -> nn.Module:
     """Builds timm's VisionTransformer with this config's dimensions (random init).
 
     Used for interop tests and as the peer in benchmarks; nothing is downloaded.

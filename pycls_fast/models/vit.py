@@ -14,10 +14,12 @@ outputs for the same weights; the layout only changes which transposes are made.
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.nn import init
+from yacs.config import CfgNode
 
 from pycls_fast.models.attention import attend
 from pycls_fast.models.blocks import (
@@ -60,7 +62,7 @@ class ViTParams:
     drop_path: float = 0.0
 
     @staticmethod
-    def from_cfg(cfg):
+    def from_cfg(cfg: CfgNode) -> "ViTParams":
         """Reads the model parameters from a (checked) config."""
         return ViTParams(
             image_size=cfg.TRAIN.IM_SIZE,
@@ -85,7 +87,7 @@ class ViTParams:
         )
 
     @property
-    def seq_len(self):
+    def seq_len(self) -> int:
         """Number of tokens: patches, plus one for the class token."""
         n = (self.image_size // self.patch_size) ** 2
         return n + 1 if self.cls_type == "token" else n
@@ -94,32 +96,36 @@ class ViTParams:
 class ViTHead(nn.Module):
     """Classifier: one fc layer."""
 
-    def __init__(self, w_in, num_classes):
+    def __init__(self, w_in: int, num_classes: int) -> None:
         super().__init__()
         self.head_fc = linear(w_in, num_classes, bias=True)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (batch, w_in) float -> logits (batch, num_classes), same dtype."""
         return self.head_fc(x)
 
     @staticmethod
-    def complexity(cx, w_in, num_classes):
+    def complexity(cx: dict[str, int], w_in: int, num_classes: int) -> dict[str, int]:
         return linear_cx(cx, w_in, num_classes, bias=True)
 
 
 class MLPBlock(nn.Module):
     """Transformer MLP block: fc, gelu, fc."""
 
-    def __init__(self, w_in, mlp_d):
+    def __init__(self, w_in: int, mlp_d: int) -> None:
         super().__init__()
         self.linear_1 = linear(w_in, mlp_d, bias=True)
         self.af = nn.GELU()
         self.linear_2 = linear(mlp_d, w_in, bias=True)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., w_in) float -> (..., w_in), same dtype (any token layout)."""
         return self.linear_2(self.af(self.linear_1(x)))
 
     @staticmethod
-    def complexity(cx, w_in, mlp_d, seq_len):
+    def complexity(
+        cx: dict[str, int], w_in: int, mlp_d: int, seq_len: int
+    ) -> dict[str, int]:
         cx = linear_cx(cx, w_in, mlp_d, bias=True, num_locations=seq_len)
         return linear_cx(cx, mlp_d, w_in, bias=True, num_locations=seq_len)
 
@@ -127,7 +133,9 @@ class MLPBlock(nn.Module):
 class MultiheadSelfAttention(nn.Module):
     """Self-attention with a fused q/k/v projection, for either token layout."""
 
-    def __init__(self, hidden_d, n_heads, *, batch_first, attention="auto"):
+    def __init__(
+        self, hidden_d: int, n_heads: int, *, batch_first: bool, attention: str = "auto"
+    ) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.batch_first = batch_first
@@ -135,8 +143,9 @@ class MultiheadSelfAttention(nn.Module):
         self.attn_proj = linear(hidden_d, 3 * hidden_d, bias=True)
         self.out_proj = linear(hidden_d, hidden_d, bias=True)
 
-    def forward(self, x):
-        """x: (batch, seq, hidden) if batch_first else (seq, batch, hidden)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (batch, seq, hidden) if batch_first else (seq, batch, hidden), float;
+        returns the same shape and dtype."""
         d0, d1, hidden_d = x.shape
         qkv = self.attn_proj(x).view(d0, d1, 3, self.n_heads, hidden_d // self.n_heads)
         # Both layouts gather q, k, v as (3, batch, heads, seq, head_d) for the kernel.
@@ -148,7 +157,9 @@ class MultiheadSelfAttention(nn.Module):
         return self.out_proj(out.reshape(d0, d1, hidden_d))
 
     @staticmethod
-    def complexity(cx, hidden_d, n_heads, seq_len):
+    def complexity(
+        cx: dict[str, int], hidden_d: int, n_heads: int, seq_len: int
+    ) -> dict[str, int]:
         head_d = hidden_d // n_heads
         # q, k, v = attn_proj(x)
         cx = linear_cx(cx, hidden_d, 3 * hidden_d, bias=True, num_locations=seq_len)
@@ -165,7 +176,7 @@ class MultiheadSelfAttention(nn.Module):
 class ViTEncoderBlock(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, p, drop_path_prob=0.0):
+    def __init__(self, p: ViTParams, drop_path_prob: float = 0.0) -> None:
         super().__init__()
         self.ln_1 = layernorm(p.hidden_d, p.ln_eps)
         self.self_attention = MultiheadSelfAttention(
@@ -176,13 +187,17 @@ class ViTEncoderBlock(nn.Module):
         self.drop_path_prob = drop_path_prob
         self.batch_dim = 0 if p.batch_first else 1
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: tokens (seq, batch, hidden) or (batch, seq, hidden) per the layout, float;
+        returns the same shape and dtype."""
         dp, bd = self.drop_path_prob, self.batch_dim
         x = x + drop_path(self.self_attention(self.ln_1(x)), dp, self.training, bd)
         return x + drop_path(self.mlp_block(self.ln_2(x)), dp, self.training, bd)
 
     @staticmethod
-    def complexity(cx, hidden_d, n_heads, mlp_d, seq_len):
+    def complexity(
+        cx: dict[str, int], hidden_d: int, n_heads: int, mlp_d: int, seq_len: int
+    ) -> dict[str, int]:
         cx = layernorm_cx(cx, hidden_d)
         cx = MultiheadSelfAttention.complexity(cx, hidden_d, n_heads, seq_len)
         cx = layernorm_cx(cx, hidden_d)
@@ -192,7 +207,7 @@ class ViTEncoderBlock(nn.Module):
 class ViTEncoder(nn.Module):
     """Encoder blocks, then the final LayerNorm."""
 
-    def __init__(self, p):
+    def __init__(self, p: ViTParams) -> None:
         super().__init__()
         for i in range(p.n_layers):
             # Stochastic depth grows linearly to p.drop_path at the last block (timm).
@@ -200,13 +215,22 @@ class ViTEncoder(nn.Module):
             self.add_module(f"block_{i}", ViTEncoderBlock(p, rate))
         self.ln = layernorm(p.hidden_d, p.ln_eps)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: tokens (seq, batch, hidden) or (batch, seq, hidden) per the layout, float;
+        returns the same shape and dtype."""
         for block in self.children():
             x = block(x)
         return x
 
     @staticmethod
-    def complexity(cx, n_layers, hidden_d, n_heads, mlp_d, seq_len):
+    def complexity(
+        cx: dict[str, int],
+        n_layers: int,
+        hidden_d: int,
+        n_heads: int,
+        mlp_d: int,
+        seq_len: int,
+    ) -> dict[str, int]:
         for _ in range(n_layers):
             cx = ViTEncoderBlock.complexity(cx, hidden_d, n_heads, mlp_d, seq_len)
         return layernorm_cx(cx, hidden_d)
@@ -215,15 +239,16 @@ class ViTEncoder(nn.Module):
 class ViTStemPatchify(nn.Module):
     """Patchify stem (https://arxiv.org/abs/2010.11929)."""
 
-    def __init__(self, w_in, w_out, k):
+    def __init__(self, w_in: int, w_out: int, k: int) -> None:
         super().__init__()
         self.patchify = patchify2d(w_in, w_out, k, bias=True)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: images (batch, w_in, h, w), float -> (batch, w_out, h // k, w // k)."""
         return self.patchify(x)
 
     @staticmethod
-    def complexity(cx, w_in, w_out, k):
+    def complexity(cx: dict[str, int], w_in: int, w_out: int, k: int) -> dict[str, int]:
         return patchify2d_cx(cx, w_in, w_out, k, bias=True)
 
 
@@ -231,7 +256,17 @@ class ViTStemConv(nn.Module):
     """Conv stem (https://arxiv.org/abs/2106.14881): 3x3 conv-BN-ReLU layers, then a
     last conv (typically 1x1) to the hidden width."""
 
-    def __init__(self, w_in, ks, ws, ss, *, bn_eps=1e-5, bn_mom=0.1, inplace=True):
+    def __init__(
+        self,
+        w_in: int,
+        ks: Sequence[int],
+        ws: Sequence[int],
+        ss: Sequence[int],
+        *,
+        bn_eps: float = 1e-5,
+        bn_mom: float = 0.1,
+        inplace: bool = True,
+    ) -> None:
         super().__init__()
         for i, (k, w_out, stride) in enumerate(zip(ks, ws, ss)):
             if i < len(ks) - 1:
@@ -243,13 +278,21 @@ class ViTStemConv(nn.Module):
                 self.add_module("cstem_last_conv", last)
             w_in = w_out
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: images (batch, w_in, h, w), float -> (batch, ws[-1], h', w'),
+        same dtype."""
         for layer in self.children():
             x = layer(x)
         return x
 
     @staticmethod
-    def complexity(cx, w_in, ks, ws, ss):
+    def complexity(
+        cx: dict[str, int],
+        w_in: int,
+        ks: Sequence[int],
+        ws: Sequence[int],
+        ss: Sequence[int],
+    ) -> dict[str, int]:
         for i, (k, w_out, stride) in enumerate(zip(ks, ws, ss)):
             if i < len(ks) - 1:
                 cx = conv2d_cx(cx, w_in, w_out, 3, stride=stride)
@@ -267,7 +310,7 @@ class ViT(nn.Module):
     (batch, num_classes), in the compute dtype.
     """
 
-    def __init__(self, p: ViTParams):
+    def __init__(self, p: ViTParams) -> None:
         super().__init__()
         self.params = p
         self.batch_first = p.batch_first
@@ -293,7 +336,7 @@ class ViT(nn.Module):
         self.head = ViTHead(p.hidden_d, p.num_classes)
         init_weights_vit(self)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (n, c, h, w) -> (n, hidden_d, n_h, n_w) -> (n, hidden_d, n_h * n_w)
         x = self.stem(x).flatten(2)
         # One copy to a contiguous token tensor here: left strided, the residual stream
@@ -314,7 +357,7 @@ class ViT(nn.Module):
         return self.head(x)
 
     @staticmethod
-    def complexity(p: ViTParams):
+    def complexity(p: ViTParams) -> dict[str, int]:
         """Returns {params, flops, acts} of the model (pycls conventions)."""
         cx = {"h": p.image_size, "w": p.image_size, "flops": 0, "params": 0, "acts": 0}
         if p.stem_type == "patchify":

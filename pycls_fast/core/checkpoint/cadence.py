@@ -14,7 +14,7 @@ def iteration_checkpoint(
     max_epoch: int,
     epoch_period: int,
     iter_period: int,
-):
+) -> tuple[int, int] | None:
     """The (epoch, iteration) to save after `done` of `iters` iterations of 0-based
     `epoch` under an iteration period (0: none), or None.
 
@@ -30,7 +30,7 @@ def iteration_checkpoint(
     return epoch + 1, 0
 
 
-def stop_checkpoint(epoch: int, done: int, iters: int):
+def stop_checkpoint(epoch: int, done: int, iters: int) -> tuple[int, int]:
     """The (epoch, iteration) to save when stopping after `done` of `iters`
     iterations of 0-based `epoch`."""
     return (epoch, done) if done < iters else (epoch + 1, 0)

@@ -6,6 +6,8 @@ import contextlib
 import json
 import logging
 import os
+from collections.abc import Collection
+from typing import Any
 
 from pycls_fast.core.checkpoint.files import (
     checkpoint_dir,
@@ -23,7 +25,7 @@ def best_path(out_dir: str) -> str:
     return os.path.join(checkpoint_dir(out_dir), BEST_FILE)
 
 
-def read_best(out_dir: str):
+def read_best(out_dir: str) -> dict[str, Any] | None:
     """The best record ({"checkpoint": name, "epoch", "top1_err"}) when it names a
     checkpoint that still exists, else None."""
     try:
@@ -35,7 +37,7 @@ def read_best(out_dir: str):
     return best if os.path.exists(os.path.join(checkpoint_dir(out_dir), name)) else None
 
 
-def write_best(out_dir: str, name: str, epoch: int, top1_err: float) -> dict:
+def write_best(out_dir: str, name: str, epoch: int, top1_err: float) -> dict[str, Any]:
     """Writes best.json atomically (temporary name, fsync, rename); returns it."""
     best = {"checkpoint": name, "epoch": epoch, "top1_err": top1_err}
     path = best_path(out_dir)
@@ -54,7 +56,9 @@ def forget_best(out_dir: str) -> None:
         os.remove(best_path(out_dir))
 
 
-def to_delete(paths: list, keep_last: int, protected=()) -> list:
+def to_delete(
+    paths: list[str], keep_last: int, protected: Collection[str] = ()
+) -> list[str]:
     """The checkpoints (oldest first in `paths`) that retention deletes: all but the
     last `keep_last` (0: none deleted), never the newest nor those in `protected`
     (base names)."""
@@ -64,7 +68,9 @@ def to_delete(paths: list, keep_last: int, protected=()) -> list:
     return [p for p in paths if p not in kept and os.path.basename(p) not in protected]
 
 
-def apply_retention(out_dir: str, keep_last: int, protected=()) -> list:
+def apply_retention(
+    out_dir: str, keep_last: int, protected: Collection[str] = ()
+) -> list[str]:
     """Deletes what `to_delete` names (call on rank 0 only); returns the paths
     deleted. A failed deletion is logged, not fatal: the checkpoints are intact."""
     deleted = []

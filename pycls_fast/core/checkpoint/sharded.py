@@ -16,9 +16,11 @@ that looks complete.
 import io
 import os
 import shutil
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -52,7 +54,14 @@ def _read_metadata(path):
     return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
 
 
-def save(path, model, optimizer, ema, meta, rank_state):
+def save(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: nn.Module | None,
+    meta: dict[str, Any],
+    rank_state: Any,
+) -> None:
     """Writes the sharded checkpoint `path` (a directory) from every rank.
 
     `meta`: values common to all ranks (rank 0's copy is kept); `rank_state`: this
@@ -101,7 +110,12 @@ def _check_fits(path, saved, prefix, state):
             )
 
 
-def load(path, model, optimizer, ema):
+def load(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: nn.Module | None,
+) -> tuple[dict[str, Any], Any]:
     """Loads a sharded checkpoint into the (sharded) model, optimizer and EMA of
     every rank; returns (meta, rank_state), rank_state None when the checkpoint was
     written at another world size (the RNG streams of the ranks then start afresh)."""
@@ -125,7 +139,7 @@ def load(path, model, optimizer, ema):
     return meta, _unblob(own, path) if own is not None else None
 
 
-def read_meta(path, no_dist=True):
+def read_meta(path: str, no_dist: bool = True) -> dict[str, Any]:
     """The `meta` of a sharded checkpoint (by default read by this process alone,
     with no process group needed)."""
     state = {"extra": {"meta": io.BytesIO()}}
@@ -133,7 +147,7 @@ def read_meta(path, no_dist=True):
     return _unblob(state["extra"]["meta"], path)
 
 
-def read_model_state(path, key="model"):
+def read_model_state(path: str, key: str = "model") -> dict[str, torch.Tensor]:
     """The full (unsharded) state dict `key` ('model' or 'ema') of a sharded
     checkpoint, as CPU tensors in their saved dtypes; {} when it has none. Runs in
     one process with no process group (tools/test_net.py, consolidation)."""
@@ -149,7 +163,7 @@ def read_model_state(path, key="model"):
     return state
 
 
-def consolidate(path, out_file):
+def consolidate(path: str, out_file: str) -> dict[str, Any]:
     """Writes the model (and EMA) weights of a sharded checkpoint to one file that
     TEST.WEIGHTS, TRAIN.WEIGHTS and tools/convert_weights.py read; returns its meta."""
     meta = read_meta(path)

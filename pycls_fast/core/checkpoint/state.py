@@ -74,7 +74,7 @@ def set_rng_state(state: dict, device: torch.device | None = None) -> None:
 class GlobalRng:
     """The process's global RNG states as a Stateful."""
 
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None) -> None:
         self.device = device
 
     def state_dict(self) -> dict:
