@@ -18,6 +18,7 @@ from torch import nn
 from yacs.config import CfgNode
 
 from pycls_fast.errors import ConfigError
+from pycls_fast.models.pycls_compat import from_pycls_main, is_pycls_main
 from pycls_fast.models.vit import ViTParams
 
 # (timm suffix, ours suffix) for each encoder block
@@ -52,10 +53,14 @@ def _key_map(n_layers, class_token):
 
 
 def unwrap_state_dict(obj: Any) -> Any:
-    """Returns the state dict inside a checkpoint object (timm, pycls or plain)."""
+    """Returns the state dict inside a checkpoint object (timm, pycls or plain);
+    pycls main's ViT names and shapes become pycls_fast's."""
     for key in ("model_state", "state_dict", "model", "state_dict_ema"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
-            return obj[key]
+            obj = obj[key]
+            break
+    if isinstance(obj, dict) and is_pycls_main(obj):
+        return from_pycls_main(obj)
     return obj
 
 
