@@ -558,6 +558,11 @@ _key("DATA.CROP_SCALE", [0.08, 1.0], check=_crop_range, rule="[min, max] in (0, 
 # pycls_fast: probability of a horizontal flip of a train image
 _key("DATA.HFLIP", 0.5, ge=0, le=1)
 
+# pycls_fast: channel order the model sees: 'rgb', or 'bgr' as pycls's ImageNet loader
+# feeds it (BGR pixels, each channel with its own mean and std); weights trained by
+# pycls expect 'bgr'
+_key("DATA.CHANNEL_ORDER", "rgb", choices=["rgb", "bgr"])
+
 # Cache each split's file index in OUT_DIR/data_index (rescanned when a folder changes)
 _key("DATA.INDEX_CACHE", True)
 

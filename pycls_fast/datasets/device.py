@@ -200,6 +200,7 @@ class DeviceBatchTransform:
         self.cutmix_alpha = cfg.TRAIN.CUTMIX_ALPHA
         self.smoothing = cfg.TRAIN.LABEL_SMOOTHING
         self.num_classes = cfg.MODEL.NUM_CLASSES
+        self.bgr = cfg.DATA.CHANNEL_ORDER == "bgr"
         seed = [cfg.RNG_SEED, rank]
         self.rng = np.random.default_rng(seed)
         self.generator = torch.Generator(device=torch.device(device)).manual_seed(
@@ -220,6 +221,13 @@ class DeviceBatchTransform:
         self.rng.bit_generator.state = state["numpy"]
         self.generator.set_state(state["torch"].to("cpu", torch.uint8))
 
+    def _ordered(self, inputs: torch.Tensor) -> torch.Tensor:
+        # pycls's loader feeds BGR, each channel normalized by its own mean and std:
+        # normalizing in RGB, then reversing the channels, is the same.
+        if not self.bgr:
+            return inputs
+        return inputs.flip(1).contiguous(memory_format=torch.channels_last)
+
     def __call__(
         self, images: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,13 +235,13 @@ class DeviceBatchTransform:
         (inputs `dtype` (B, 3, H, W), targets) on the device."""
         images, labels = to_device(images, labels, self.device, self.pin_memory)
         if not self.train:
-            return normalize(images, dtype=self.dtype), labels
+            return self._ordered(normalize(images, dtype=self.dtype)), labels
         offsets = None
         if self.pca_std > 0:
             offsets = pca_lighting_offsets(
                 len(labels), self.pca_std, self.generator, images.device
             )
-        inputs = normalize(images, dtype=self.dtype, offsets=offsets)
+        inputs = self._ordered(normalize(images, dtype=self.dtype, offsets=offsets))
         mixing = self.mixup_alpha > 0 or self.cutmix_alpha > 0
         if not mixing and self.smoothing == 0:
             return inputs, labels

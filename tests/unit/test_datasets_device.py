@@ -192,3 +192,24 @@ def test_random_state_round_trips_through_a_weights_only_file(tmp_path):
     for x, y in expected:
         rx, ry = resumed(images, labels)
         assert torch.equal(rx, x) and torch.equal(ry, y)
+
+
+def test_bgr_order_is_pycls_loader_input():
+    """pycls feeds BGR pixels normalized with BGR means and stds (its _MEAN / _SD
+    lists are the RGB ones reversed), lighting included."""
+    images = _images()
+    cfg = _cfg(PCA_STD=0.1)
+    cfg.DATA.CHANNEL_ORDER = "bgr"
+    bgr = DeviceBatchTransform(cfg, "cpu", torch.float32, train=True)
+    rgb = DeviceBatchTransform(_cfg(PCA_STD=0.1), "cpu", torch.float32, train=True)
+    ours, _ = bgr(images, torch.arange(4))
+    plain, _ = rgb(images, torch.arange(4))
+    torch.testing.assert_close(ours, plain[:, [2, 1, 0]])  # same lighting draws
+    bgr_mean = torch.tensor(MEAN[::-1]).view(1, 3, 1, 1)
+    bgr_std = torch.tensor(STD[::-1]).view(1, 3, 1, 1)
+    test = DeviceBatchTransform(cfg, "cpu", torch.float32, train=False)
+    expected = (images[:, [2, 1, 0]].float() / 255 - bgr_mean) / bgr_std
+    torch.testing.assert_close(test(images, torch.arange(4))[0], expected)
+    assert test(images, torch.arange(4))[0].is_contiguous(
+        memory_format=torch.channels_last
+    )
