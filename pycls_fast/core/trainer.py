@@ -87,6 +87,9 @@ class Components:
     test_prep: DeviceBatchTransform | None = None
     # The optimizer's parameters (fp32 masters under O2), for unscaling and clipping.
     opt_params: list[torch.Tensor] = field(default_factory=list)
+    # This rank's sums of the epoch in training; checkpoints keep them (a Stateful
+    # of CheckpointManager) so that an epoch resumed mid-way reports all of it.
+    train_meter: EpochMeter = field(default_factory=EpochMeter)
     # What `weights` loaded (test_model): file, EMA or not, training epoch.
     loaded: LoadedWeights | None = None
 
@@ -274,7 +277,9 @@ def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
     loader.set_epoch(epoch, start_batch=start_iter)
     iters = start_iter + len(loader)
     model.train()
-    meter = EpochMeter()
+    meter = parts.train_meter
+    if start_iter == 0:
+        meter.reset()  # else it holds the sums restored with the checkpoint
     bar = _progress(iters - start_iter, distributed.is_main())
     skipped, lr = 0, lr_at(cfg, epoch + start_iter / max(iters, 1))
     for it, (images, labels) in enumerate(loader, start=start_iter):

@@ -7,9 +7,10 @@
     manager.after_eval(epoch, top1_err)        # best pointer, retention
 
 What: the model, EMA, optimizer, master weights, loss scaler, and each rank's RNG
-states (global and the device batches'), each a Stateful. How: one file that rank 0
-writes (its `rank_states` hold every rank's RNG states under DDP), or under FSDP a
-sharded directory that every rank writes its part of (sharded.py).
+states (global and the device batches') and epoch meter sums, each a Stateful.
+How: one file that rank 0 writes (its `rank_states` hold every rank's own states
+under DDP), or under FSDP a sharded directory that every rank writes its part of
+(sharded.py).
 """
 
 import logging
@@ -43,10 +44,14 @@ def _meta(parts, epoch, iteration):
 
 
 def _rank_parts(parts):
-    """The Stateful parts each rank has of its own: its RNG states."""
+    """The Stateful parts each rank has of its own: its RNG states and its sums of
+    the epoch in training (train_meter)."""
     own = {"rng_state": GlobalRng(parts.device)}
     if parts.train_prep is not None:
         own["batch_rng_state"] = parts.train_prep
+    meter = getattr(parts, "train_meter", None)
+    if meter is not None:
+        own["train_meter"] = meter
     return own
 
 
