@@ -433,6 +433,12 @@ def _train(cfg, stop):
         len(parts.train_loader),
         len(parts.test_loader),
     )
+    logger.info(
+        "batch %d images per step (TRAIN.BATCH_SIZE), %d per process; %d epoch(s)",
+        cfg.TRAIN.BATCH_SIZE,
+        cfg.TRAIN.BATCH_SIZE // distributed.world_size(),
+        cfg.OPTIM.MAX_EPOCH,
+    )
     manager = CheckpointManager(parts)
     start_epoch, start_iter = manager.restore()
     if distributed.is_main():
