@@ -14,7 +14,7 @@ import json
 import os
 
 from pycls_fast.config import load_cfg
-from pycls_fast.core.cli import config_parser, run, run_config_file
+from pycls_fast.core.cli import config_parser, require_config, run, run_config_file
 from pycls_fast.models import build_model, complexity
 
 
@@ -40,6 +40,7 @@ def main():
         "--summary", action="store_true", help="one line per config, no module tree"
     )
     args = parser.parse_args()
+    require_config(args)
     paths = list(args.cfg_file or [])
     if args.run:
         paths.append(run_config_file(args.run))

@@ -61,6 +61,12 @@ def config_parser(
     return parser
 
 
+def require_config(args) -> None:
+    """UserError when neither --cfg nor --run names a config."""
+    if not (args.cfg_file or getattr(args, "run", None)):
+        raise UserError("give --cfg FILE or --run OUT_DIR")
+
+
 def run_config_file(run_dir: str) -> str:
     """OUT_DIR/config.yaml of a run; UserError when the run has none."""
     path = os.path.join(run_dir, "config.yaml")
@@ -88,6 +94,7 @@ def cfg_from_args(args):
     with `--run OUT_DIR`, the run's config.yaml (unless --cfg is given) and, for
     tools made with `best=True`, its checkpoint; KEY VALUE overrides apply last."""
     run_dir = getattr(args, "run", None)
+    require_config(args)
     if not run_dir:
         if getattr(args, "best", False):
             raise UserError("--best needs --run OUT_DIR")

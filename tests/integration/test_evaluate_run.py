@@ -83,6 +83,10 @@ def test_run_mistakes(tmp_path):
     result = run_tool("test_net.py", "--best", "--cfg", DIGITS_CFG)
     assert result.returncode == 2
     assert "--best needs --run OUT_DIR" in result.stderr
+    for tool in ("test_net.py", "info_net.py"):
+        result = run_tool(tool)
+        assert result.returncode == 2
+        assert result.stderr.strip() == "error: give --cfg FILE or --run OUT_DIR"
 
 
 def test_info_net_run(digits, tmp_path):
