@@ -40,6 +40,7 @@ def _meta(parts, epoch, iteration):
         "iter": iteration,
         "scaler_state": parts.scaler.state_dict(),
         "cfg": parts.cfg.dump(),
+        "world_size": distributed.world_size(),
     }
 
 
@@ -124,8 +125,10 @@ def restore(parts, path: str):
     parts.scaler.load_state_dict(state["scaler_state"])
     # RNG streams continue where they were when the world size is unchanged; at
     # another world size the ranks' streams start afresh from RNG_SEED.
+    same_world = state.get("world_size") == distributed.world_size()
     for key, part in _rank_parts(parts).items():
-        if key in state:
+        # Epoch sums are each rank's share of the old world's: only valid unchanged.
+        if key in state and (same_world or key != "train_meter"):
             part.load_state_dict(state[key])
     return state["epoch"], state["iter"]
 
