@@ -5,7 +5,6 @@ file), 1 for a runtime failure. Errors are one line on stderr naming what is wro
 """
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -15,8 +14,6 @@ from pycls_fast.core.checkpoint.files import resolve_weights
 from pycls_fast.core.checkpoint.retention import best_checkpoint
 from pycls_fast.core.launch import exit_process
 from pycls_fast.errors import UserError, error_line, exit_code
-
-logger = logging.getLogger(__name__)
 
 # Where `--run OUT_DIR` evaluations write their log: beside, not over, the run's.
 EVAL_DIR = "eval"

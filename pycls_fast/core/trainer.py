@@ -490,7 +490,10 @@ def test_model(cfg):
         cfg, loaders=("test",), weights=path, use_ema=cfg.TEST.USE_EMA
     )
     label = checkpoint_epoch_label(parts.loaded, cfg.OPTIM.MAX_EPOCH)
-    logger.info("evaluating the weights of epoch %s", label)
+    if parts.loaded.epoch is None:
+        logger.info("evaluating weights that do not say their epoch (%s)", label)
+    else:
+        logger.info("evaluating the weights of epoch %s", label)
     return test_epoch(parts, parts.model, 0, label=label)
 
 
