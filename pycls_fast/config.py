@@ -503,6 +503,10 @@ _key("TRAIN.AUTO_RESUME", True)
 # Weights to start training from
 _key("TRAIN.WEIGHTS", "")
 
+# pycls_fast: with TRAIN.WEIGHTS of another class count, skip the head.* tensors
+# whose shape differs and keep the freshly initialised classifier (fine-tuning)
+_key("TRAIN.RESET_HEAD", False)
+
 # Train with mixed precision (pycls): an alias of AMP.MODE 'O1' (autocast, fp32
 # weights), used only when AMP.MODE is not set (see AMP.MODE)
 _key("TRAIN.MIXED_PRECISION", False)

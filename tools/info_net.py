@@ -3,6 +3,7 @@
 
     python tools/info_net.py --cfg A.yaml [--cfg B.yaml ...] [--summary | --json]
         [KEY VALUE ...]
+    python tools/info_net.py --run OUT_DIR     # the model of a run (its config.yaml)
 
 Per config: the module tree (unless --summary) and one line of params, flops and
 activations. With --json only JSON is printed, one object per config and line
@@ -13,7 +14,7 @@ import json
 import os
 
 from pycls_fast.config import load_cfg
-from pycls_fast.core.cli import config_parser, run
+from pycls_fast.core.cli import config_parser, require_config, run, run_config_file
 from pycls_fast.models import build_model, complexity
 
 
@@ -28,7 +29,9 @@ def summary_line(name: str, cfg, cx: dict) -> str:
 
 def main():
     parser = config_parser(
-        "Print a model and its complexity (params, flops, acts).", several=True
+        "Print a model and its complexity (params, flops, acts).",
+        several=True,
+        run=True,
     )
     parser.add_argument(
         "--json", action="store_true", help="only JSON: one object per config and line"
@@ -37,8 +40,12 @@ def main():
         "--summary", action="store_true", help="one line per config, no module tree"
     )
     args = parser.parse_args()
+    require_config(args)
+    paths = list(args.cfg_file or [])
+    if args.run:
+        paths.append(run_config_file(args.run))
     # Every config is checked before anything is printed.
-    cfgs = [(path, load_cfg(path, args.opts or [])) for path in args.cfg_file]
+    cfgs = [(path, load_cfg(path, args.opts or [])) for path in paths]
     for path, cfg in cfgs:
         cx = complexity(cfg)
         if args.json:

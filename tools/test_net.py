@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
 """Evaluates weights: python tools/test_net.py --cfg FILE TEST.WEIGHTS CKPT [KEY VALUE]
 
-KEY VALUE pairs override config keys. TEST.WEIGHTS is a checkpoint file or a sharded
-(FSDP) checkpoint directory. Runs under torchrun or with NUM_GPUS N like train_net."""
+    python tools/test_net.py --run OUT_DIR [--best] [KEY VALUE ...]
+
+KEY VALUE pairs override config keys. TEST.WEIGHTS is a checkpoint file, a sharded
+(FSDP) checkpoint directory, or a run or checkpoints folder (its newest complete
+checkpoint). `--run OUT_DIR` evaluates a finished run: its config.yaml, its newest
+complete checkpoint (the best with --best), the log in OUT_DIR/eval/. Runs under
+torchrun or with NUM_GPUS N like train_net."""
 
 from pycls_fast.config import check_launch
 from pycls_fast.core.cli import cfg_from_args, config_parser, run
@@ -12,7 +17,9 @@ from pycls_fast.datasets.loader import check_data
 
 
 def main():
-    parser = config_parser("Evaluate TEST.WEIGHTS on DATA.PATH/TEST.SPLIT.")
+    parser = config_parser(
+        "Evaluate TEST.WEIGHTS on DATA.PATH/TEST.SPLIT.", run=True, best=True
+    )
     cfg = cfg_from_args(parser.parse_args())
     check_launch(cfg)  # what to run is refused before what to read
     check_data(cfg, ("test",))  # once, before any rank starts
@@ -22,7 +29,7 @@ def main():
     print(
         f"top-1 accuracy: {100.0 - record['top1_err']:.2f}%  "
         f"top-5 accuracy: {100.0 - record['top5_err']:.2f}%  "
-        f"({record['images']} images)",
+        f"({record['images']} images, epoch {record['epoch']})",
         flush=True,
     )
 

@@ -2,6 +2,7 @@
 """Measures the training step and the loader; projects the ImageNet-1k epoch time.
 
     python tools/time_net.py --cfg FILE [--json] [--loader-batches N] [KEY VALUE ...]
+    python tools/time_net.py --run OUT_DIR ...     # the config of a run
 
 Reports forward, forward+backward and full-step times on synthetic batches of
 TRAIN.BATCH_SIZE / processes, evaluation throughput, the loader's images/s on
@@ -179,7 +180,9 @@ def print_parallel(records, args):
 
 
 def main():
-    parser = config_parser("Time the training step and the loader; project epoch time.")
+    parser = config_parser(
+        "Time the training step and the loader; project epoch time.", run=True
+    )
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     parser.add_argument(
         "--loader-batches", type=int, default=8, help="batches to time the loader on"

@@ -1,6 +1,9 @@
 """Logging: a human log with ETA on stdout and in OUT_DIR/stdout.log, plus pycls's
 `json_stats: {...}` lines that plotting and parsing tools read.
 
+OUT_DIR/stdout.log always holds every stats record as a json_stats line, and so does
+stdout when it is not a terminal (pipes, CI, SLURM logs). On a terminal, stdout shows
+each record as one short human line instead (console.py), beside the tqdm bar.
 Only the main process (rank 0) writes; other ranks log warnings and errors only.
 """
 
@@ -9,7 +12,11 @@ import logging
 import os
 import sys
 
+from pycls_fast.core.console import STATS_ATTR, ConsoleFormatter
+
 _FORMAT = "[%(asctime)s][%(filename)s:%(lineno)d] %(message)s"
+_CONSOLE_FORMAT = "[%(asctime)s] %(message)s"
+_DATE = "%m/%d %H:%M:%S"
 LOG_FILE = "stdout.log"
 logger = logging.getLogger("pycls_fast")
 
@@ -22,16 +29,21 @@ def setup_logging(out_dir, log_dest="stdout", is_main=True):
         root.removeHandler(handler)
         handler.close()
     root.setLevel(logging.INFO if is_main else logging.WARNING)
-    formatter = logging.Formatter(_FORMAT, datefmt="%m/%d %H:%M:%S")
-    handlers = []
+    formatter = logging.Formatter(_FORMAT, datefmt=_DATE)
     if log_dest == "stdout" or not is_main:
-        handlers.append(logging.StreamHandler(sys.stdout))
+        console = logging.StreamHandler(sys.stdout)
+        on_terminal = is_main and sys.stdout.isatty()
+        console.setFormatter(
+            ConsoleFormatter(_CONSOLE_FORMAT, datefmt=_DATE)
+            if on_terminal
+            else formatter
+        )
+        root.addHandler(console)
     if is_main:
         os.makedirs(out_dir, exist_ok=True)
-        handlers.append(logging.FileHandler(os.path.join(out_dir, LOG_FILE)))
-    for handler in handlers:
-        handler.setFormatter(formatter)
-        root.addHandler(handler)
+        file = logging.FileHandler(os.path.join(out_dir, LOG_FILE))
+        file.setFormatter(formatter)
+        root.addHandler(file)
 
 
 def _json_value(v):
@@ -47,8 +59,8 @@ def dump_json_stats(stats):
 
 
 def log_json_stats(stats):
-    """Logs a stats record as a json_stats line."""
-    logger.info(dump_json_stats(stats), stacklevel=2)
+    """Logs a stats record as a json_stats line (a terminal shows a human line)."""
+    logger.info(dump_json_stats(stats), extra={STATS_ATTR: stats}, stacklevel=2)
 
 
 def load_json_stats(log_file):

@@ -53,6 +53,27 @@ class EpochMeter:
     def elapsed(self):
         return time.perf_counter() - self.start
 
+    def state_dict(self) -> dict:
+        """The sums so far, as plain numbers (a checkpoint mid-epoch keeps them, so
+        that the resumed epoch reports the whole epoch's loss and errors)."""
+        return {
+            "loss_sum": self.loss_sum,
+            "top1_sum": self.top1_sum,
+            "top5_sum": self.top5_sum,
+            "count": self.count,
+            "iters": self.iters,
+            "elapsed": self.elapsed(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from `state_dict()`'s sums; the clock goes on from its time."""
+        self.loss_sum = float(state["loss_sum"])
+        self.top1_sum = float(state["top1_sum"])
+        self.top5_sum = float(state["top5_sum"])
+        self.count = int(state["count"])
+        self.iters = int(state["iters"])
+        self.start = time.perf_counter() - float(state["elapsed"])
+
     def summary(self):
         """{loss, top1_err, top5_err, images, img_per_s}, over all processes."""
         sums = distributed.all_reduce_sum(

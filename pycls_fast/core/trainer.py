@@ -26,7 +26,7 @@ from yacs.config import CfgNode
 from pycls_fast.config import dump_cfg
 from pycls_fast.core import distributed
 from pycls_fast.core.checkpoint import CheckpointManager, files
-from pycls_fast.core.checkpoint.weights import load_model_weights
+from pycls_fast.core.checkpoint.weights import LoadedWeights, load_model_weights
 from pycls_fast.core.device_info import describe_device
 from pycls_fast.core.ema import create_ema, ema_alpha, ema_enabled, update_ema
 from pycls_fast.core.logging import format_eta, log_json_stats, setup_logging
@@ -87,6 +87,11 @@ class Components:
     test_prep: DeviceBatchTransform | None = None
     # The optimizer's parameters (fp32 masters under O2), for unscaling and clipping.
     opt_params: list[torch.Tensor] = field(default_factory=list)
+    # This rank's sums of the epoch in training; checkpoints keep them (a Stateful
+    # of CheckpointManager) so that an epoch resumed mid-way reports all of it.
+    train_meter: EpochMeter = field(default_factory=EpochMeter)
+    # What `weights` loaded (test_model): file, EMA or not, training epoch.
+    loaded: LoadedWeights | None = None
 
 
 def seed_everything(seed):
@@ -154,9 +159,17 @@ def build_components(
     if model is None:
         model = build_model(cfg)
         if cfg.TRAIN.WEIGHTS:
-            load_model_weights(model, cfg.TRAIN.WEIGHTS, allow_missing_head=True)
+            start = load_model_weights(
+                model,
+                cfg.TRAIN.WEIGHTS,
+                allow_missing_head=True,
+                reset_head=cfg.TRAIN.RESET_HEAD,
+            )
+            logger.info("TRAIN.WEIGHTS: %s", start.describe())
+    loaded = None
     if weights:
-        load_model_weights(model, weights, use_ema=use_ema)
+        loaded = load_model_weights(model, weights, use_ema=use_ema)
+        logger.info("%s", loaded.describe())
     model.to(device)
     fsdp = fsdp_enabled(cfg)
     if not (fsdp and mode is AmpMode.O2):
@@ -185,6 +198,7 @@ def build_components(
         master=master,
         ema=ema,
         opt_params=[p for g in groups for p in g["params"]],
+        loaded=loaded,
     )
     dtype, rank = input_dtype(mode, half), distributed.rank()
     if "train" in (loaders or ()):
@@ -263,7 +277,9 @@ def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
     loader.set_epoch(epoch, start_batch=start_iter)
     iters = start_iter + len(loader)
     model.train()
-    meter = EpochMeter()
+    meter = parts.train_meter
+    if start_iter == 0:
+        meter.reset()  # else it holds the sums restored with the checkpoint
     bar = _progress(iters - start_iter, distributed.is_main())
     skipped, lr = 0, lr_at(cfg, epoch + start_iter / max(iters, 1))
     for it, (images, labels) in enumerate(loader, start=start_iter):
@@ -357,8 +373,9 @@ def _pad_sharded_forwards(parts, model, done):
 
 
 @torch.no_grad()
-def test_epoch(parts, model, epoch, kind="test_epoch"):
-    """Evaluates `model` on the test split; returns its stats record (`kind`)."""
+def test_epoch(parts, model, epoch, kind="test_epoch", label=None):
+    """Evaluates `model` on the test split; returns its stats record (`kind`) whose
+    "epoch" is `label`, or "epoch + 1/OPTIM.MAX_EPOCH" without one."""
     cfg = parts.cfg
     model.eval()
     meter = EpochMeter()
@@ -373,7 +390,7 @@ def test_epoch(parts, model, epoch, kind="test_epoch"):
     stats = meter.summary()
     record = {
         "_type": kind,
-        "epoch": f"{epoch + 1}/{cfg.OPTIM.MAX_EPOCH}",
+        "epoch": label or f"{epoch + 1}/{cfg.OPTIM.MAX_EPOCH}",
         "loss": stats["loss"],
         "top1_err": stats["top1_err"],
         "top5_err": stats["top5_err"],
@@ -415,6 +432,12 @@ def _train(cfg, stop):
         _parallel_name(cfg),
         len(parts.train_loader),
         len(parts.test_loader),
+    )
+    logger.info(
+        "batch %d images per step (TRAIN.BATCH_SIZE), %d per process; %d epoch(s)",
+        cfg.TRAIN.BATCH_SIZE,
+        cfg.TRAIN.BATCH_SIZE // distributed.world_size(),
+        cfg.OPTIM.MAX_EPOCH,
     )
     manager = CheckpointManager(parts)
     start_epoch, start_iter = manager.restore()
@@ -458,12 +481,30 @@ def test_model(cfg):
     seed_everything(cfg.RNG_SEED)
     if not cfg.TEST.WEIGHTS:
         raise UserError("TEST.WEIGHTS is empty: name the checkpoint to evaluate")
+    path, how = files.resolve_weights(cfg.TEST.WEIGHTS)
+    if how != "given":
+        logger.info("TEST.WEIGHTS %s: %s", cfg.TEST.WEIGHTS, how)
     # Loaded before wrapping or sharding; load_state_dict copies into the model as
     # built, in its dtypes.
     parts = build_components(
-        cfg, loaders=("test",), weights=cfg.TEST.WEIGHTS, use_ema=cfg.TEST.USE_EMA
+        cfg, loaders=("test",), weights=path, use_ema=cfg.TEST.USE_EMA
     )
-    return test_epoch(parts, parts.model, cfg.OPTIM.MAX_EPOCH - 1)
+    label = checkpoint_epoch_label(parts.loaded, cfg.OPTIM.MAX_EPOCH)
+    if parts.loaded.epoch is None:
+        logger.info("evaluating weights that do not say their epoch (%s)", label)
+    else:
+        logger.info("evaluating the weights of epoch %s", label)
+    return test_epoch(parts, parts.model, 0, label=label)
+
+
+def checkpoint_epoch_label(loaded, max_epoch):
+    """The test record's "epoch" of loaded weights: "E/MAX_EPOCH" after E completed
+    epochs, "E+1/MAX_EPOCH" for a checkpoint taken during epoch E+1, "0/MAX_EPOCH"
+    for weights that do not say (converted files)."""
+    if loaded is None or loaded.epoch is None:
+        return f"0/{max_epoch}"
+    epoch = loaded.epoch + (1 if loaded.iteration else 0)
+    return f"{epoch}/{max_epoch}"
 
 
 def _parallel_name(cfg):

@@ -32,7 +32,7 @@ def test_train_net_and_test_net(digits, tmp_path):
         "test_net.py", *common, "OUT_DIR", out + "_test", "TEST.WEIGHTS", weights
     )
     assert result.returncode == 0, result.stderr
-    assert "(359 images)" in result.stdout
+    assert "(359 images, epoch 1/1)" in result.stdout
     # Weights of another model: one clear line, exit 2.
     result = run_tool(
         "test_net.py", *common, "VIT.HIDDEN_DIM", "48", "OUT_DIR", out + "_bad",

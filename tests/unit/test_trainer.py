@@ -115,6 +115,15 @@ def test_resume_mid_epoch_ends_with_identical_weights(digits, tmp_path, mode):
     for key in a["model_state"]:
         assert torch.equal(a["model_state"][key], b["model_state"][key]), key
     assert "resumed from" in (crashed / "stdout.log").read_text()
+    # The resumed epoch reports the whole epoch, as the uninterrupted run did (the
+    # crashed log holds the full run's records first, the resumed ones last).
+    full_epoch, resumed_epoch = (
+        [r for r in load_json_stats(str(d / "stdout.log"))
+         if r["_type"] == "train_epoch" and r["epoch"] == "2/3"][-1]
+        for d in (full, crashed)
+    )  # fmt: skip
+    for key in ("loss", "top1_err", "top5_err"):
+        assert resumed_epoch[key] == pytest.approx(full_epoch[key], rel=1e-6), key
 
 
 def test_non_finite_loss_stops_with_a_hint(digits, tmp_path):

@@ -54,7 +54,11 @@ def is_sharded(path: str) -> bool:
 
 def list_checkpoints(out_dir: str) -> list:
     """Complete checkpoints in OUT_DIR/checkpoints, oldest first."""
-    folder = checkpoint_dir(out_dir)
+    return checkpoints_in(checkpoint_dir(out_dir))
+
+
+def checkpoints_in(folder: str) -> list:
+    """Complete checkpoints in `folder` itself, oldest first."""
     if not os.path.isdir(folder):
         return []
     found = [
@@ -70,6 +74,27 @@ def last_checkpoint(out_dir: str):
     """Path of the newest complete checkpoint, or None."""
     found = list_checkpoints(out_dir)
     return found[-1] if found else None
+
+
+def resolve_weights(path: str) -> tuple[str, str]:
+    """The checkpoint that a weights path names, and how it was found: (path,
+    "given") for a checkpoint file or sharded directory; for a run folder or its
+    checkpoints folder, (its newest complete checkpoint, "newest in FOLDER").
+    CheckpointError when there is none, listing what the folder holds."""
+    if os.path.isfile(path) or is_sharded(path):
+        return path, "given"
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint not found: {path}")
+    for folder in (checkpoint_dir(path), path):
+        found = checkpoints_in(folder)
+        if found:
+            return found[-1], f"newest in {folder}"
+    names = sorted(os.listdir(path))
+    shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if names[8:] else "")
+    raise CheckpointError(
+        f"no complete checkpoint in {path} (nor in its checkpoints/ folder); it "
+        f"holds: {shown or 'nothing'}"
+    )
 
 
 def remove_partial(out_dir: str) -> list:

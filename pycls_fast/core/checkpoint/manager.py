@@ -7,9 +7,10 @@
     manager.after_eval(epoch, top1_err)        # best pointer, retention
 
 What: the model, EMA, optimizer, master weights, loss scaler, and each rank's RNG
-states (global and the device batches'), each a Stateful. How: one file that rank 0
-writes (its `rank_states` hold every rank's RNG states under DDP), or under FSDP a
-sharded directory that every rank writes its part of (sharded.py).
+states (global and the device batches') and epoch meter sums, each a Stateful.
+How: one file that rank 0 writes (its `rank_states` hold every rank's own states
+under DDP), or under FSDP a sharded directory that every rank writes its part of
+(sharded.py).
 """
 
 import logging
@@ -39,14 +40,19 @@ def _meta(parts, epoch, iteration):
         "iter": iteration,
         "scaler_state": parts.scaler.state_dict(),
         "cfg": parts.cfg.dump(),
+        "world_size": distributed.world_size(),
     }
 
 
 def _rank_parts(parts):
-    """The Stateful parts each rank has of its own: its RNG states."""
+    """The Stateful parts each rank has of its own: its RNG states and its sums of
+    the epoch in training (train_meter)."""
     own = {"rng_state": GlobalRng(parts.device)}
     if parts.train_prep is not None:
         own["batch_rng_state"] = parts.train_prep
+    meter = getattr(parts, "train_meter", None)
+    if meter is not None:
+        own["train_meter"] = meter
     return own
 
 
@@ -119,8 +125,10 @@ def restore(parts, path: str):
     parts.scaler.load_state_dict(state["scaler_state"])
     # RNG streams continue where they were when the world size is unchanged; at
     # another world size the ranks' streams start afresh from RNG_SEED.
+    same_world = state.get("world_size") == distributed.world_size()
     for key, part in _rank_parts(parts).items():
-        if key in state:
+        # Epoch sums are each rank's share of the old world's: only valid unchanged.
+        if key in state and (same_world or key != "train_meter"):
             part.load_state_dict(state[key])
     return state["epoch"], state["iter"]
 

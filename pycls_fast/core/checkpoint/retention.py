@@ -14,6 +14,7 @@ from pycls_fast.core.checkpoint.files import (
     list_checkpoints,
     remove_checkpoint,
 )
+from pycls_fast.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,18 @@ def read_best(out_dir: str) -> dict[str, Any] | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return best if os.path.exists(os.path.join(checkpoint_dir(out_dir), name)) else None
+
+
+def best_checkpoint(out_dir: str) -> str:
+    """Path of the checkpoint that best.json names; CheckpointError when there is
+    none (the run was not trained with TRAIN.CHECKPOINT_KEEP_BEST True)."""
+    best = read_best(out_dir)
+    if best is None:
+        raise CheckpointError(
+            f"no best checkpoint in {checkpoint_dir(out_dir)}: {BEST_FILE} is missing "
+            "or names a deleted file (train with TRAIN.CHECKPOINT_KEEP_BEST True)"
+        )
+    return os.path.join(checkpoint_dir(out_dir), best["checkpoint"])
 
 
 def write_best(out_dir: str, name: str, epoch: int, top1_err: float) -> dict[str, Any]:

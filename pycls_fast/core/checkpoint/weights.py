@@ -1,18 +1,47 @@
 """Loading a checkpoint's weights into a model (TRAIN.WEIGHTS, TEST.WEIGHTS)."""
 
+from dataclasses import dataclass, field
+
 import torch
 
 from pycls_fast.core.checkpoint.files import is_sharded, load_checkpoint
-from pycls_fast.core.checkpoint.sharded import read_model_state
+from pycls_fast.core.checkpoint.sharded import read_meta, read_model_state
 from pycls_fast.errors import CheckpointError
 from pycls_fast.models.timm_compat import unwrap_state_dict
 
+HEAD = "head."
+RESET_HINT = "set TRAIN.RESET_HEAD True to re-initialise the classifier"
 
-def _misfit(state: dict, ours: dict, allow_missing_head: bool):
+
+@dataclass
+class LoadedWeights:
+    """What load_model_weights put into the model, for the log line."""
+
+    path: str
+    matched: int
+    total: int
+    ema: bool = False
+    # Tensors left as the model initialised them (a reset or absent head).
+    reinitialised: list[str] = field(default_factory=list)
+    # Training position of the checkpoint (completed epochs, iterations into the
+    # next one); None for weights that do not carry it (converted timm files).
+    epoch: int | None = None
+    iteration: int = 0
+
+    def describe(self) -> str:
+        """One line: file, which weights, tensors matched, what was re-initialised."""
+        which = "EMA weights" if self.ema else "model weights"
+        line = f"loaded {which} of {self.path}: {self.matched}/{self.total} tensors"
+        if self.reinitialised:
+            line += f"; re-initialised {', '.join(self.reinitialised)}"
+        return line
+
+
+def _misfit(state: dict, ours: dict, allow_missing_head: bool, reset_head: bool):
     """What first keeps `state` from fitting a model of state dict `ours`, or None."""
     missing = [k for k in ours if k not in state]
-    if allow_missing_head:
-        missing = [k for k in missing if not k.startswith("head.")]
+    if allow_missing_head or reset_head:
+        missing = [k for k in missing if not k.startswith(HEAD)]
     if missing:
         return f"lacks {missing[0]}"
     unexpected = [k for k in state if k not in ours]
@@ -20,27 +49,63 @@ def _misfit(state: dict, ours: dict, allow_missing_head: bool):
         return f"has unknown tensor {unexpected[0]}"
     wrong = [k for k in ours if k in state and state[k].shape != ours[k].shape]
     if wrong:
-        return (
+        text = (
             f"has {wrong[0]} of shape {tuple(state[wrong[0]].shape)}, "
             f"the model expects {tuple(ours[wrong[0]].shape)}"
         )
+        if allow_missing_head and wrong[0].startswith(HEAD):
+            text += f" (another class count: {RESET_HINT})"
+        return text
     return None
 
 
+def _read(path: str, use_ema: bool):
+    """(state dict, whether it is the EMA's, meta dict) of a checkpoint."""
+    if is_sharded(path):
+        ema = read_model_state(path, "ema") if use_ema else {}
+        state = ema or read_model_state(path)
+        return state, bool(ema), read_meta(path)
+    checkpoint = load_checkpoint(path)
+    meta = checkpoint if isinstance(checkpoint, dict) else {}
+    if use_ema and "ema_state" in checkpoint:
+        return checkpoint["ema_state"], True, meta
+    return unwrap_state_dict(checkpoint), False, meta
+
+
 def load_model_weights(
-    model: torch.nn.Module, path: str, *, allow_missing_head=False, use_ema=False
-) -> None:
+    model: torch.nn.Module,
+    path: str,
+    *,
+    allow_missing_head=False,
+    use_ema=False,
+    reset_head=False,
+) -> LoadedWeights:
     """Loads model weights (the EMA weights with `use_ema`, when the checkpoint has
     them) from a checkpoint file or sharded checkpoint directory into `model` (not
-    yet sharded); names the file on mismatch."""
-    if is_sharded(path):
-        state = (use_ema and read_model_state(path, "ema")) or read_model_state(path)
-    else:
-        checkpoint = load_checkpoint(path)
-        if use_ema and "ema_state" in checkpoint:
-            checkpoint = checkpoint["ema_state"]
-        state = unwrap_state_dict(checkpoint)
-    what = _misfit(state, model.state_dict(), allow_missing_head)
+    yet sharded); names the file on mismatch. `allow_missing_head`: head.* tensors
+    may be absent (TRAIN.WEIGHTS); `reset_head`: head.* tensors of another shape are
+    skipped too, leaving the model's fresh classifier (TRAIN.RESET_HEAD)."""
+    state, ema, meta = _read(path, use_ema)
+    ours = model.state_dict()
+    reset = []
+    if reset_head:
+        reset = [
+            k
+            for k in ours
+            if k.startswith(HEAD) and k in state and state[k].shape != ours[k].shape
+        ]
+        state = {k: v for k, v in state.items() if k not in reset}
+    what = _misfit(state, ours, allow_missing_head, reset_head)
     if what:
         raise CheckpointError(f"checkpoint {path} does not fit this model: it {what}")
-    model.load_state_dict(state, strict=not allow_missing_head)
+    model.load_state_dict(state, strict=not (allow_missing_head or reset_head))
+    epoch = meta.get("epoch")
+    return LoadedWeights(
+        path=path,
+        matched=sum(1 for k in ours if k in state),
+        total=len(ours),
+        ema=ema,
+        reinitialised=[k for k in ours if k not in state],
+        epoch=epoch if isinstance(epoch, int) else None,
+        iteration=int(meta.get("iter") or 0),
+    )

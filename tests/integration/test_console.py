@@ -1,0 +1,83 @@
+"""The console of train_net: human lines on a terminal, json_stats lines on a
+pipe, and always json_stats lines in OUT_DIR/stdout.log."""
+
+import os
+import pty
+import subprocess
+import sys
+import threading
+
+from pycls_fast.core.logging import load_json_stats
+from tests.helpers import DIGITS_CFG, ROOT, run_tool
+
+ARGS = [
+    "--cfg", DIGITS_CFG, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
+    "VIT.NUM_LAYERS", "1", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
+    "OPTIM.MAX_EPOCH", "1", "LOG_PERIOD", "5",
+]  # fmt: skip
+
+
+def run_on_terminal(*args: str) -> tuple[int, str]:
+    """Runs `python tools/train_net.py args` with stdout and stderr on a
+    pseudo-terminal; returns (exit status, what the terminal showed)."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "tools", "train_net.py"), *args],
+        stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, cwd=ROOT,
+    )  # fmt: skip
+    os.close(slave)
+    chunks = []
+
+    def read():
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    code = proc.wait(timeout=600)
+    reader.join(timeout=30)
+    os.close(master)
+    return code, b"".join(chunks).decode(errors="replace")
+
+
+def test_terminal_shows_human_lines(digits, tmp_path):
+    out = str(tmp_path / "tty")
+    code, shown = run_on_terminal(*ARGS, "DATA.PATH", digits, "OUT_DIR", out)
+    assert code == 0, shown
+    assert "json_stats" not in shown
+    lines = shown.replace("\r", "\n").splitlines()
+    # The first lines: where, on what, and how the batch is split.
+    assert any(f"output folder {out}; device cpu" in line for line in lines)
+    assert any("batch 64 images per step (TRAIN.BATCH_SIZE), 64 per process; 1 "
+               "epoch(s)" in line for line in lines)  # fmt: skip
+    records = load_json_stats(os.path.join(out, "stdout.log"))
+    it = next(r for r in records if r["_type"] == "train_iter")
+    human = (
+        f"train epoch 1/1 iter {it['iter']}  loss {it['loss']:.4f}  "
+        f"top-1 {100.0 - it['top1_err']:.2f}%  {it['img_per_s']:,.0f} img/s  "
+        f"data wait {100.0 * it['data_wait_frac']:.0f}%  ETA {it['eta']}"
+    )
+    assert any(line.endswith(human) for line in lines), human
+    test = next(r for r in records if r["_type"] == "test_epoch")
+    assert any(
+        f"test epoch 1/1  loss {test['loss']:.4f}  top-1 "
+        f"{100.0 - test['top1_err']:.2f}%  top-5 {100.0 - test['top5_err']:.2f}%"
+        in line
+        for line in lines
+    )
+    assert [r["_type"] for r in records].count("train_epoch") == 1
+
+
+def test_pipe_keeps_json_stats_lines(digits, tmp_path):
+    out = str(tmp_path / "pipe")
+    result = run_tool("train_net.py", *ARGS, "DATA.PATH", digits, "OUT_DIR", out)
+    assert result.returncode == 0, result.stderr
+    shown = [r for r in result.stdout.splitlines() if "json_stats: " in r]
+    kept = load_json_stats(os.path.join(out, "stdout.log"))
+    assert len(shown) == len(kept) and kept

@@ -1,0 +1,99 @@
+"""Evaluating a finished run: `test_net.py --run OUT_DIR [--best]`, TEST.WEIGHTS
+naming a folder, the epoch of the weights, and the eval log beside the run's."""
+
+import json
+import os
+
+from pycls_fast.core.logging import load_json_stats
+from tests.helpers import DIGITS_CFG, run_tool
+
+SMALL = [
+    "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "VIT.NUM_LAYERS", "1",
+    "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64", "OPTIM.MAX_EPOCH", "2",
+    "TRAIN.CHECKPOINT_KEEP_BEST", "True",
+]  # fmt: skip
+
+
+def _train(digits, out):
+    result = run_tool(
+        "train_net.py", "--cfg", DIGITS_CFG, "DATA.PATH", digits, *SMALL, "OUT_DIR", out
+    )
+    assert result.returncode == 0, result.stderr
+    with open(os.path.join(out, "stdout.log")) as f:
+        return f.read()
+
+
+def test_test_net_run_and_best(digits, tmp_path):
+    out = str(tmp_path / "run")
+    run_log = _train(digits, out)
+    newest = os.path.join(out, "checkpoints", "model_epoch_0002.pyth")
+    # The config is the run's; MAX_EPOCH overridden to 60 does not relabel the epoch.
+    result = run_tool("test_net.py", "--run", out, "OPTIM.MAX_EPOCH", "60")
+    assert result.returncode == 0, result.stderr
+    assert f"loaded model weights of {newest}: " in result.stdout
+    assert "evaluating the weights of epoch 2/60" in result.stdout
+    assert "(359 images, epoch 2/60)" in result.stdout
+    # The run's own log is untouched; the evaluation's is in OUT_DIR/eval.
+    with open(os.path.join(out, "stdout.log")) as f:
+        assert f.read() == run_log
+    records = load_json_stats(os.path.join(out, "eval", "stdout.log"))
+    assert [(r["_type"], r["epoch"]) for r in records] == [("test_epoch", "2/60")]
+
+    with open(os.path.join(out, "checkpoints", "best.json")) as f:
+        best = json.load(f)
+    result = run_tool("test_net.py", "--run", out, "--best", "TEST.USE_EMA", "True")
+    assert result.returncode == 0, result.stderr
+    best_file = os.path.join(out, "checkpoints", best["checkpoint"])
+    # No EMA in this run: the model weights, said so.
+    assert f"loaded model weights of {best_file}: " in result.stdout
+    assert f"epoch {best['epoch']}/2)" in result.stdout
+
+
+def test_test_weights_folder(digits, tmp_path):
+    out = str(tmp_path / "run")
+    _train(digits, out)
+    newest = os.path.join(out, "checkpoints", "model_epoch_0002.pyth")
+    common = ["--cfg", DIGITS_CFG, "DATA.PATH", digits, *SMALL]
+    for folder in (out, os.path.join(out, "checkpoints")):
+        result = run_tool(
+            "test_net.py", *common, "OUT_DIR", str(tmp_path / "eval"),
+            "TEST.WEIGHTS", folder,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert f"TEST.WEIGHTS {folder}: newest in " in result.stdout
+        assert f"loaded model weights of {newest}: " in result.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("")
+    result = run_tool(
+        "test_net.py", *common, "OUT_DIR", str(tmp_path / "eval"),
+        "TEST.WEIGHTS", str(empty),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith(
+        f"no complete checkpoint in {empty} (nor in its checkpoints/ folder); "
+        "it holds: notes.txt"
+    )
+
+
+def test_run_mistakes(tmp_path):
+    result = run_tool("test_net.py", "--run", str(tmp_path / "nope"))
+    assert result.returncode == 2
+    assert f"--run: folder not found {tmp_path / 'nope'}" in result.stderr
+    result = run_tool("test_net.py", "--best", "--cfg", DIGITS_CFG)
+    assert result.returncode == 2
+    assert "--best needs --run OUT_DIR" in result.stderr
+    for tool in ("test_net.py", "info_net.py"):
+        result = run_tool(tool)
+        assert result.returncode == 2
+        assert result.stderr.strip() == "error: give --cfg FILE or --run OUT_DIR"
+
+
+def test_info_net_run(digits, tmp_path):
+    out = str(tmp_path / "run")
+    _train(digits, out)
+    result = run_tool("info_net.py", "--run", out, "--json")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["config"] == os.path.join(out, "config.yaml")
+    assert record["im_size"] == 16
