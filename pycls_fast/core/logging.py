@@ -31,8 +31,10 @@ def setup_logging(out_dir, log_dest="stdout", is_main=True):
     root.setLevel(logging.INFO if is_main else logging.WARNING)
     formatter = logging.Formatter(_FORMAT, datefmt=_DATE)
     if log_dest == "stdout" or not is_main:
-        console = logging.StreamHandler(sys.stdout)
         on_terminal = is_main and sys.stdout.isatty()
+        console = (
+            _BarAwareHandler() if on_terminal else logging.StreamHandler(sys.stdout)
+        )
         console.setFormatter(
             ConsoleFormatter(_CONSOLE_FORMAT, datefmt=_DATE)
             if on_terminal
@@ -44,6 +46,23 @@ def setup_logging(out_dir, log_dest="stdout", is_main=True):
         file = logging.FileHandler(os.path.join(out_dir, LOG_FILE))
         file.setFormatter(formatter)
         root.addHandler(file)
+
+
+class _BarAwareHandler(logging.StreamHandler):
+    """Writes to a terminal through tqdm, which lifts the training's progress bar
+    (also on stdout) for the line and redraws it below, instead of the line starting
+    in the middle of the bar."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stdout)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stdout)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
 
 
 def _json_value(v):

@@ -267,7 +267,8 @@ def _progress(total, enabled):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, leave=False, dynamic_ncols=True)
+    # On stdout, with the log lines (core/logging.py writes them around the bar).
+    return tqdm(total=total, leave=False, dynamic_ncols=True, file=sys.stdout)
 
 
 def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):

@@ -1,10 +1,13 @@
 """The console of train_net: human lines on a terminal, json_stats lines on a
 pipe, and always json_stats lines in OUT_DIR/stdout.log."""
 
+import fcntl
 import os
 import pty
+import struct
 import subprocess
 import sys
+import termios
 import threading
 
 from pycls_fast.core.logging import load_json_stats
@@ -21,6 +24,8 @@ def run_on_terminal(*args: str) -> tuple[int, str]:
     """Runs `python tools/train_net.py args` with stdout and stderr on a
     pseudo-terminal; returns (exit status, what the terminal showed)."""
     master, slave = pty.openpty()
+    # A terminal of 120 x 40 characters (a fresh pty reports 0 x 0).
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     proc = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "tools", "train_net.py"), *args],
         stdout=slave, stderr=slave, stdin=subprocess.DEVNULL, cwd=ROOT,
@@ -72,6 +77,12 @@ def test_terminal_shows_human_lines(digits, tmp_path):
         for line in lines
     )
     assert [r["_type"] for r in records].count("train_epoch") == 1
+    # The progress bar shows, and every log line starts on a line of its own (the
+    # bar is lifted for it, not overwritten in its middle).
+    assert any("it/s" in line or "s/it" in line for line in lines), shown
+    for raw in shown.split("\r\n"):  # a terminal ends lines with \r\n
+        if "] train epoch" in raw:
+            assert raw.split("\r")[-1].lstrip(" ").startswith("["), repr(raw)
 
 
 def test_pipe_keeps_json_stats_lines(digits, tmp_path):
