@@ -18,8 +18,12 @@ import os
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+# Submodules by their full names: `from pycls_fast.core.checkpoint import ...` would
+# run the package's __init__, which imports this module.
+import pycls_fast.core.checkpoint.files as files
+import pycls_fast.core.checkpoint.retention as retention
+import pycls_fast.core.checkpoint.sharded as sharded
 from pycls_fast.core import distributed
-from pycls_fast.core.checkpoint import files, retention, sharded
 from pycls_fast.core.checkpoint.cadence import (
     epoch_checkpoint_due,
     iteration_checkpoint,
