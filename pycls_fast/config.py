@@ -500,6 +500,12 @@ _key("TRAIN.CHECKPOINT_KEEP_BEST", False)
 # Resume training from the newest complete checkpoint in OUT_DIR
 _key("TRAIN.AUTO_RESUME", True)
 
+# pycls_fast: under several processes, agree on a stop signal (SIGTERM, Ctrl-C;
+# one collective and one host read) every this many iterations and at the end of
+# each epoch, so a stopped run exits within this many steps (one process: every
+# step, at no cost)
+_key("TRAIN.PREEMPT_CHECK_PERIOD", 10, gt=0)
+
 # Weights to start training from
 _key("TRAIN.WEIGHTS", "")
 

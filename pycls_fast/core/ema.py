@@ -10,8 +10,11 @@ from pycls_fast.core.distributed import local_tensor
 
 
 def create_ema(model: nn.Module) -> nn.Module:
-    """Returns a frozen copy of `model` to hold the EMA weights (same dtypes)."""
-    ema = copy.deepcopy(model)
+    """Returns a frozen copy of `model` to hold the EMA weights, in fp32 whatever the
+    model's dtypes: with alpha ~ 1e-3 an update in bf16 or fp16 rounds away (the
+    EMA would not move). Evaluated under autocast like AMP O2 (trainer.test_epoch).
+    Made before the model is sharded or wrapped; FSDP shards it alike."""
+    ema = copy.deepcopy(model).float()
     for p in ema.parameters():
         p.requires_grad_(False)
     return ema

@@ -170,37 +170,88 @@ class LossScaler:
     """Dynamic loss scaling for fp16 (all modes, O3's fp16 grads included).
 
     `scale(loss)` before backward; `unscale_(params)` after it divides the grads by the
-    scale and returns True when any grad is inf/NaN (the step must then be skipped);
+    scale and returns a device flag (0-d float32 tensor, 1.0 when any grad is
+    inf/NaN: the step must then be skipped); `step(optimizer, found_inf)` skips it;
     `update(found_inf)` halves the scale after an overflow and doubles it after
     `growth_interval` clean steps. Disabled (bf16, fp32) it does nothing. Under
     torch.distributed the overflow flag is reduced across ranks, so that all ranks
     skip the same steps (sharded grads overflow on one rank only).
+
+    The scale, the count of clean steps and of skipped steps live on the device, so
+    that a step reads nothing back to the host: the fused optimizers skip on the
+    flag themselves; other optimizers need one read of it per step.
     """
 
     def __init__(
         self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000
     ) -> None:
         self.enabled = enabled
-        self.scale_value = init_scale if enabled else 1.0
         self.growth_interval = growth_interval
-        self.clean_steps = 0
-        self.skipped_steps = 0
+        self._init_scale = init_scale if enabled else 1.0
+        self._scale: torch.Tensor | None = None  # (1,) float32, on the device
+        self._clean: torch.Tensor | None = None  # (1,) int32: clean steps in a row
+        self._skipped: torch.Tensor | None = None  # (1,) float32: steps skipped
+        self._pending: dict[str, Any] | None = None  # a state loaded before use
+
+    def _on(self, device: torch.device) -> None:
+        if self._scale is not None and self._scale.device == device:
+            return
+        state = self._pending or (self.state_dict() if self._scale is not None else {})
+        self._pending = None
+        self._scale = torch.full(
+            (1,), float(state.get("scale", self._init_scale)), device=device
+        )
+        # torch's growth tracker restarts at each growth (older checkpoints counted on).
+        clean = int(state.get("clean_steps", 0)) % self.growth_interval
+        self._clean = torch.full((1,), clean, dtype=torch.int32, device=device)
+        self._skipped = torch.full(
+            (1,), float(state.get("skipped_steps", 0)), device=device
+        )
+
+    @property
+    def scale_value(self) -> float:
+        """The current scale (reads it from the device)."""
+        if self._scale is None:
+            state = self._pending or {}
+            return float(state.get("scale", self._init_scale))
+        return float(self._scale.item())
+
+    @scale_value.setter
+    def scale_value(self, value: float) -> None:
+        if self._scale is None:
+            self._init_scale = float(value)
+            if self._pending:
+                self._pending["scale"] = float(value)
+        else:
+            self._scale.fill_(value)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for an overflow so far (reads it from the device)."""
+        if self._skipped is None:
+            return int((self._pending or {}).get("skipped_steps", 0))
+        return int(self._skipped.item())
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss`: float scalar tensor; returns it times the scale (same dtype)."""
-        return loss * self.scale_value if self.enabled else loss
+        if not self.enabled:
+            return loss
+        self._on(loss.device)
+        return loss * self._scale.to(loss.dtype)
 
     @torch.no_grad()
-    def unscale_(self, params: Iterable[nn.Parameter]) -> bool:
-        """Unscales the grads of `params` in place; returns True on inf/NaN."""
+    def unscale_(self, params: Iterable[nn.Parameter]) -> torch.Tensor | None:
+        """Unscales the grads of `params` in place; returns the overflow flag, a 0-d
+        float32 device tensor (1.0: inf/NaN found), or None when disabled."""
         if not self.enabled:
-            return False
+            return None
         # FSDP's grads are DTensors: unscale this rank's shards (the overflow flag is
         # reduced across ranks below).
         grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
-        found_inf = torch.zeros(1, device=device)
-        inv_scale = torch.full((1,), 1.0 / self.scale_value, device=device)
+        self._on(device)
+        found_inf = torch.zeros((), device=device)
+        inv_scale = self._scale.double().reciprocal().float()
         by_dtype = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -210,31 +261,63 @@ class LossScaler:
             )
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
-        return bool(found_inf.item())
+        return found_inf
 
-    def update(self, found_inf: bool) -> None:
-        if not self.enabled:
+    def step(
+        self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None
+    ) -> bool:
+        """optimizer.step() unless `found_inf` is set. Fused optimizers take the flag
+        and skip on the device (torch's GradScaler contract: `found_inf` as an
+        attribute, grads already unscaled); others read it (one host sync). Returns
+        whether the step was taken on the host's knowledge (True for fused)."""
+        if found_inf is None:
+            optimizer.step()
+            return True
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            optimizer.found_inf = found_inf
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+            return True
+        if found_inf.item():
+            return False
+        optimizer.step()
+        return True
+
+    def update(self, found_inf: torch.Tensor | None) -> None:
+        """Backs off after an overflow, grows after `growth_interval` clean steps (on
+        the device, torch's `_amp_update_scale_`)."""
+        if not self.enabled or found_inf is None:
             return
-        if found_inf:
-            self.scale_value /= 2.0
-            self.clean_steps = 0
-            self.skipped_steps += 1
-        else:
-            self.clean_steps += 1
-            if self.clean_steps % self.growth_interval == 0:
-                self.scale_value *= 2.0
+        self._on(found_inf.device)
+        self._skipped.add_(found_inf)
+        torch._amp_update_scale_(
+            self._scale, self._clean, found_inf, 2.0, 0.5, self.growth_interval
+        )
 
     def state_dict(self) -> dict[str, Any]:
+        if self._scale is None:
+            return dict(
+                self._pending
+                or {"scale": self._init_scale, "clean_steps": 0, "skipped_steps": 0}
+            )
         return {
-            "scale": self.scale_value,
-            "clean_steps": self.clean_steps,
-            "skipped_steps": self.skipped_steps,
+            "scale": float(self._scale.item()),
+            "clean_steps": int(self._clean.item()),
+            "skipped_steps": int(self._skipped.item()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale_value = state["scale"]
-        self.clean_steps = state["clean_steps"]
-        self.skipped_steps = state["skipped_steps"]
+        self._pending = {
+            "scale": float(state["scale"]),
+            "clean_steps": int(state["clean_steps"]),
+            "skipped_steps": int(state["skipped_steps"]),
+        }
+        device = self._scale.device if self._scale is not None else None
+        self._scale = None
+        if device is not None:
+            self._on(device)
 
 
 def loss_scaler(dtype: torch.dtype) -> LossScaler:

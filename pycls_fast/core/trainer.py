@@ -11,7 +11,6 @@ its shard of the data; metrics are reduced across ranks and rank 0 writes the lo
 """
 
 import logging
-import math
 import os
 import random
 import sys
@@ -53,6 +52,7 @@ from pycls_fast.datasets.loader import (
     construct_test_loader,
     construct_train_loader,
 )
+from pycls_fast.datasets.prefetch import DevicePrefetcher
 from pycls_fast.errors import (
     NonFiniteLossError,
     OutDirInUseError,
@@ -85,6 +85,10 @@ class Components:
     test_loader: ImageLoader | None = None
     train_prep: DeviceBatchTransform | None = None
     test_prep: DeviceBatchTransform | None = None
+    # The loaders' batches prepared on the device (a side stream copies batch i+1
+    # while step i runs, on CUDA); the train one is the checkpoint's batch RNG.
+    train_batches: DevicePrefetcher | None = None
+    test_batches: DevicePrefetcher | None = None
     # The optimizer's parameters (fp32 masters under O2), for unscaling and clipping.
     opt_params: list[torch.Tensor] = field(default_factory=list)
     # This rank's sums of the epoch in training; checkpoints keep them (a Stateful
@@ -204,18 +208,22 @@ def build_components(
     if "train" in (loaders or ()):
         parts.train_loader = construct_train_loader(cfg)
         parts.train_prep = DeviceBatchTransform(cfg, device, dtype, True, rank)
+        parts.train_batches = DevicePrefetcher(parts.train_loader, parts.train_prep)
     if "test" in (loaders or ()):
         parts.test_loader = construct_test_loader(cfg)
         parts.test_prep = DeviceBatchTransform(cfg, device, dtype, False, rank)
+        parts.test_batches = DevicePrefetcher(parts.test_loader, parts.test_prep)
     return parts
 
 
 def train_step(parts, inputs, targets, weight=1.0):
-    """One optimization step; returns (loss tensor, logits, step_skipped).
+    """One optimization step; returns (loss tensor, logits, found_inf).
 
     inputs: (B, 3, H, W) in the input dtype; targets: (B,) int64 or (B, classes)
     soft targets. `weight` scales the loss that is backpropagated (0: this rank only
-    takes part in the collectives)."""
+    takes part in the collectives). found_inf: fp16 loss scaling's overflow flag, a
+    0-d float32 device tensor (1.0: the step was skipped), else None. Nothing is read
+    back to the host (fp16 with a non-fused optimizer reads the flag)."""
     with autocast(parts.device.type, parts.mode, parts.half_dtype):
         logits = parts.trained(inputs)
     loss = F.cross_entropy(logits.float(), targets)
@@ -223,12 +231,11 @@ def train_step(parts, inputs, targets, weight=1.0):
     if parts.master is not None:
         parts.master.grads_to_master()
     found_inf = parts.scaler.unscale_(parts.opt_params)
-    if parts.cfg.OPTIM.GRAD_CLIP > 0 and not found_inf:
+    if parts.cfg.OPTIM.GRAD_CLIP > 0:
+        # After an overflow the clipped grads are NaN too; the step is skipped.
         torch.nn.utils.clip_grad_norm_(parts.opt_params, parts.cfg.OPTIM.GRAD_CLIP)
-    if not found_inf:
-        parts.optimizer.step()
-        if parts.master is not None:
-            parts.master.master_to_model()
+    if parts.scaler.step(parts.optimizer, found_inf) and parts.master is not None:
+        parts.master.master_to_model()  # unchanged masters after a skipped step
     parts.scaler.update(found_inf)
     parts.optimizer.zero_grad(set_to_none=True)
     return loss.detach(), logits.detach(), found_inf
@@ -238,19 +245,26 @@ def _step_without_images(parts):
     """A training batch whose images all failed to decode (the loader yields it empty
     to keep ranks in step). One process skips the step. Under several processes this
     rank joins the others' step with a blank image weighted zero, so that DDP's and
-    FSDP's collectives line up and the replicas stay equal. Returns found_inf."""
+    FSDP's collectives line up and the replicas stay equal."""
     if distributed.world_size() == 1:
-        return False
+        return
     size = parts.cfg.TRAIN.IM_SIZE
     dtype = input_dtype(parts.mode, parts.half_dtype)
     blank = torch.zeros(1, 3, size, size, dtype=dtype, device=parts.device)
     label = torch.zeros(1, dtype=torch.long, device=parts.device)
-    return train_step(parts, blank, label, weight=0.0)[2]
+    train_step(parts, blank, label, weight=0.0)
 
 
-def _check_finite(parts, loss_value, epoch, it):
-    if math.isfinite(loss_value) or parts.scaler.enabled:
-        return  # fp16 loss scaling handles overflow by skipping the step
+def check_finite(parts, meter, epoch):
+    """Raises NonFiniteLossError when `meter` has seen a non-finite loss since its
+    reset (reads it from the device: at log steps, before checkpoints, at the end
+    of the epoch). fp16 loss scaling handles overflow itself, by skipping steps."""
+    if parts.scaler.enabled:
+        return
+    bad = meter.first_non_finite()
+    if bad is None:
+        return
+    it, loss_value = bad
     last = files.last_checkpoint(parts.cfg.OUT_DIR) or "none yet"
     hint = "lower OPTIM.BASE_LR"
     if parts.half_dtype == torch.float16 and parts.mode is not AmpMode.FP32:
@@ -272,44 +286,50 @@ def _progress(total, enabled):
 
 
 def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
-    """Trains one epoch (from `start_iter`); returns its train_epoch stats record."""
+    """Trains one epoch (from `start_iter`); returns its train_epoch stats record.
+
+    A step reads nothing back from the device (no host sync) unless a log line, a
+    checkpoint or the preemption check is due: losses and errors are summed on the
+    device and read at LOG_PERIOD (docs/PERFORMANCE.md, "Host syncs")."""
     cfg, model = parts.cfg, parts.trained
-    loader = parts.train_loader
-    loader.set_epoch(epoch, start_batch=start_iter)
-    iters = start_iter + len(loader)
+    batches = parts.train_batches
+    batches.set_epoch(epoch, start_batch=start_iter)
+    iters = start_iter + len(batches)
     model.train()
     meter = parts.train_meter
     if start_iter == 0:
         meter.reset()  # else it holds the sums restored with the checkpoint
     bar = _progress(iters - start_iter, distributed.is_main())
-    skipped, lr = 0, lr_at(cfg, epoch + start_iter / max(iters, 1))
-    for it, (images, labels) in enumerate(loader, start=start_iter):
+    skipped_before = parts.scaler.skipped_steps
+    lr = lr_at(cfg, epoch + start_iter / max(iters, 1))
+    for it, (inputs, targets) in enumerate(batches, start=start_iter):
         lr = lr_at(cfg, epoch + it / iters)
         set_lr(parts.optimizer, lr)
-        if len(labels):
-            inputs, targets = parts.train_prep(images, labels)
-            loss, logits, found_inf = train_step(parts, inputs, targets)
+        if len(targets):
+            loss, logits, _ = train_step(parts, inputs, targets)
             hard = targets.argmax(dim=1) if targets.ndim == 2 else targets
             top1, top5 = topk_errors(logits.float(), hard)
-            loss_value = loss.item()
-            _check_finite(parts, loss_value, epoch, it)
-            meter.add(loss_value, top1, top5, len(hard))
+            meter.add(loss.detach(), top1, top5, len(hard), step=it)
         else:
-            loss_value, found_inf = float("nan"), _step_without_images(parts)
-        skipped += int(found_inf)
+            _step_without_images(parts)
         if parts.ema is not None and (it + 1) % cfg.OPTIM.EMA_UPDATE_PERIOD == 0:
             update_ema(parts.model, parts.ema, ema_alpha(cfg, epoch))
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}")
         if (it + 1) % cfg.LOG_PERIOD == 0:
-            _log_train_iter(parts, meter, epoch, it, iters, lr, skipped)
+            check_finite(parts, meter, epoch)
+            skipped = parts.scaler.skipped_steps - skipped_before
+            record = _log_train_iter(parts, meter, epoch, it, iters, lr, skipped)
+            if bar is not None:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}")
         if on_iter_end is not None:
             on_iter_end(epoch, it + 1, iters)
     if bar is not None:
         bar.close()
+    check_finite(parts, meter, epoch)
+    skipped = parts.scaler.skipped_steps - skipped_before
     stats = meter.summary()
-    data = loader.stats()
+    data = batches.stats()
     record = {
         "_type": "train_epoch",
         "epoch": f"{epoch + 1}/{cfg.OPTIM.MAX_EPOCH}",
@@ -337,25 +357,25 @@ def _log_train_iter(parts, meter, epoch, it, iters, lr, skipped):
     remaining = (iters - it - 1) + (cfg.OPTIM.MAX_EPOCH - epoch - 1) * iters
     data = parts.train_loader.stats()
     loss, top1, top5, images = distributed.all_reduce_sum(
-        [meter.loss_sum, meter.top1_sum, meter.top5_sum, float(meter.count)]
+        [*meter.sums(), float(meter.count)]
     )
     images = max(images, 1.0)
-    log_json_stats(
-        {
-            "_type": "train_iter",
-            "epoch": f"{epoch + 1}/{cfg.OPTIM.MAX_EPOCH}",
-            "iter": f"{it + 1}/{iters}",
-            "loss": loss / images,
-            "top1_err": top1 / images,
-            "top5_err": top5 / images,
-            "lr": lr,
-            "img_per_s": images / max(elapsed, 1e-9),
-            "data_wait_frac": data.get("data_wait_frac", 0.0),
-            "skipped_steps": skipped,
-            "eta": format_eta(per_iter * remaining),
-            "mem_mb": memory_mb(parts.device),
-        }
-    )
+    record = {
+        "_type": "train_iter",
+        "epoch": f"{epoch + 1}/{cfg.OPTIM.MAX_EPOCH}",
+        "iter": f"{it + 1}/{iters}",
+        "loss": loss / images,
+        "top1_err": top1 / images,
+        "top5_err": top5 / images,
+        "lr": lr,
+        "img_per_s": images / max(elapsed, 1e-9),
+        "data_wait_frac": data.get("data_wait_frac", 0.0),
+        "skipped_steps": skipped,
+        "eta": format_eta(per_iter * remaining),
+        "mem_mb": memory_mb(parts.device),
+    }
+    log_json_stats(record)
+    return record
 
 
 def _pad_sharded_forwards(parts, model, done):
@@ -380,13 +400,16 @@ def test_epoch(parts, model, epoch, kind="test_epoch", label=None):
     cfg = parts.cfg
     model.eval()
     meter = EpochMeter()
-    for images, labels in parts.test_loader:
-        inputs, labels = parts.test_prep(images, labels)
-        with autocast(parts.device.type, parts.mode, parts.half_dtype):
+    # The EMA is kept in fp32 (core/ema.py): under O3 it runs autocast like O2.
+    mode = AmpMode.O2 if parts.mode is AmpMode.O3 and model is parts.ema else parts.mode
+    for inputs, labels in parts.test_batches:
+        if not len(labels):
+            continue
+        with autocast(parts.device.type, mode, parts.half_dtype):
             logits = model(inputs)
         loss = F.cross_entropy(logits.float(), labels)
         top1, top5 = topk_errors(logits.float(), labels)
-        meter.add(loss.item(), top1, top5, len(labels))
+        meter.add(loss, top1, top5, len(labels))
     _pad_sharded_forwards(parts, model, meter.iters)
     stats = meter.summary()
     record = {
@@ -440,14 +463,27 @@ def _train(cfg, stop):
         cfg.TRAIN.BATCH_SIZE // distributed.world_size(),
         cfg.OPTIM.MAX_EPOCH,
     )
-    manager = CheckpointManager(parts)
+
+    def before_save(epoch, iteration):
+        # No checkpoint of weights that a non-finite loss has already touched; the
+        # position (E, 0) is the end of epoch E - 1.
+        check_finite(parts, parts.train_meter, epoch if iteration else epoch - 1)
+
+    manager = CheckpointManager(parts, before_save=before_save)
     start_epoch, start_iter = manager.restore()
     if distributed.is_main():
         # Only now: a run that fails to start leaves the previous config.yaml as it was.
         dump_cfg(cfg)
 
+    # The stop signal is agreed on (a collective and a host read) every
+    # TRAIN.PREEMPT_CHECK_PERIOD steps and at the end of each epoch; in one process
+    # it costs nothing and is checked after every step.
+    one = distributed.world_size() == 1
+    check_period = 1 if one else cfg.TRAIN.PREEMPT_CHECK_PERIOD
+
     def on_iter_end(epoch, done, iters):
-        manager.after_iteration(epoch, done, iters, stop.agreed())
+        due = done % check_period == 0 or done == iters
+        manager.after_iteration(epoch, done, iters, stop.agreed() if due else 0)
 
     results = {}
     if start_epoch >= cfg.OPTIM.MAX_EPOCH:

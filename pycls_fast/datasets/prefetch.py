@@ -34,6 +34,10 @@ class DevicePrefetcher:
         self.loader = loader
         self.transform = transform
         self.device = torch.device(transform.device)
+        # The transform's random state as of the batch last handed out: the batch
+        # queued ahead has drawn from it already, and a checkpoint taken after the
+        # current step must not include that draw (exact resume).
+        self._handed_state: dict | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -43,6 +47,17 @@ class DevicePrefetcher:
 
     def stats(self) -> dict:
         return self.loader.stats()
+
+    def state_dict(self) -> dict:
+        """The transform's random state after the batches handed out so far (a
+        Stateful of the checkpoint, in place of the transform's own)."""
+        if self._handed_state is not None:
+            return self._handed_state
+        return self.transform.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.transform.load_state_dict(state)
+        self._handed_state = None
 
     def __iter__(self) -> Iterator:
         if uses_side_stream(self.device):
@@ -63,6 +78,7 @@ class DevicePrefetcher:
         # Tensor.record_stream (torch/_tensor.py, _tensor_docs.py).
         side = torch.cuda.Stream(self.device)
         batches = iter(self.loader)
+        self._handed_state = None
         ahead = self._queue_next(batches, side)
         while ahead is not None:
             current = torch.cuda.current_stream(self.device)
@@ -73,8 +89,11 @@ class DevicePrefetcher:
                     # allocator must not hand the memory back to `side` before
                     # `current` is done with it.
                     t.record_stream(current)
+            handed = self.transform.state_dict()  # host-side: no device sync
             ready, ahead = ahead, self._queue_next(batches, side)
+            self._handed_state = handed
             yield ready
+        self._handed_state = None
 
     def _queue_next(self, batches, side):
         """Queues the copy and transform of the next batch on `side`; None at the

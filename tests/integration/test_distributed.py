@@ -256,7 +256,7 @@ def _overflow_on_rank_1(cfg):
         shard.view(-1)[0] = float("inf")
     found = parts.scaler.unscale_(params)
     parts.scaler.update(found)
-    return distributed.all_gather_object((found, parts.scaler.scale_value))
+    return distributed.all_gather_object((bool(found.item()), parts.scaler.scale_value))
 
 
 def test_fp16_loss_scaling_skips_the_step_on_every_rank():

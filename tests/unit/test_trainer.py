@@ -20,6 +20,7 @@ from pycls_fast.core.trainer import (
     train_model,
     train_step,
 )
+from pycls_fast.datasets.prefetch import DevicePrefetcher
 from tests.helpers import DIGITS_CFG, ROOT
 
 TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
@@ -199,6 +200,9 @@ def test_a_batch_of_only_bad_images_is_skipped(digits, tmp_path):
     seed_everything(0)
     with_empty = build_components(cfg, loaders=("train",))
     with_empty.train_loader = _WithEmptyBatch(with_empty.train_loader)
+    with_empty.train_batches = DevicePrefetcher(
+        with_empty.train_loader, with_empty.train_prep
+    )
     record = train_epoch(with_empty, 0)
     assert math.isfinite(record["loss"]) and record["loss"] > 0
     # The same two real batches, at the learning rates of iterations 1 and 3, without

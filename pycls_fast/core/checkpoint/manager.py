@@ -52,8 +52,10 @@ def _rank_parts(parts):
     """The Stateful parts each rank has of its own: its RNG states and its sums of
     the epoch in training (train_meter)."""
     own = {"rng_state": GlobalRng(parts.device)}
-    if parts.train_prep is not None:
-        own["batch_rng_state"] = parts.train_prep
+    # The prefetcher's state: that of the batches handed out, not of one queued ahead.
+    batches = getattr(parts, "train_batches", None) or parts.train_prep
+    if batches is not None:
+        own["batch_rng_state"] = batches
     meter = getattr(parts, "train_meter", None)
     if meter is not None:
         own["train_meter"] = meter
@@ -181,8 +183,11 @@ def save(parts, epoch: int, iteration: int):
 class CheckpointManager:
     """Saves and restores the checkpoints of one run (every rank makes one)."""
 
-    def __init__(self, parts):
+    def __init__(self, parts, before_save=None):
+        """`before_save(epoch, iteration)`: called before the checkpoint of that
+        position is written (it may raise to prevent it)."""
         self.parts = parts
+        self.before_save = before_save
         self.cfg = parts.cfg
         self.out_dir = parts.cfg.OUT_DIR
         train = parts.cfg.TRAIN
@@ -209,6 +214,8 @@ class CheckpointManager:
     def save(self, epoch: int, iteration: int):
         """Writes the checkpoint of (epoch, iteration) and applies retention;
         returns its path on rank 0."""
+        if self.before_save is not None:
+            self.before_save(epoch, iteration)
         path = save(self.parts, epoch, iteration)
         if path and self.best and os.path.basename(path) == self.best["checkpoint"]:
             # Its weights were replaced: their test error is not known yet.
