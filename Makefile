@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: setup test test-unit test-integration test-slow lint format demo sweep-demo \
-	check-node bench bench-attention \
+	check-node bench bench-dist bench-attention \
 	bench-loader bench-optimizer clean
 
 setup: $(STAMP)
@@ -69,6 +69,16 @@ check-node: setup
 bench: setup
 	$(PY) -m benchmarks.ladder --cfg configs/pycls/ViT-P-4GF.yaml \
 		--plot out/bench/ladder_ViT-P-4GF.png
+
+# The article's ladder on every local device (GPUs, or 2 gloo processes on a CPU) and
+# its figures; ViT-H/16 at global batch 560 on GPUs (docs/PERFORMANCE.md).
+NPROC ?= 2
+LADDER_CFG ?= configs/vit/ViT-S-16.yaml
+LADDER_BATCH ?= 16
+bench-dist: setup
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m benchmarks.ladder_dist \
+		--cfg $(LADDER_CFG) --batch $(LADDER_BATCH) \
+		--json-out out/bench/ladder_dist_$(NPROC).json --plot-dir out/bench/ladder_dist
 
 bench-attention: setup
 	$(PY) -m benchmarks.attention

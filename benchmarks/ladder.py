@@ -13,7 +13,7 @@ those of --cfg; batch --batch, one process):
   pooled        + pooled classifier (VIT.CLASSIFIER_TYPE pooled)
   batch_second  + batch-second token layout (VIT.LAYOUT batch_second)
   amp_o2        + AMP O2 (half-precision weights, fp32 master weights)
-  compile       + torch.compile (the model, compiled in place)
+  compile       + torch.compile (TRAIN.COMPILE model)
   loader        + the threaded loader feeding photo-like JPEGs (train transforms and
                   device-side batch preparation of --cfg), instead of a synthetic
                   batch; compiled when the compile rung ran
@@ -69,7 +69,7 @@ LADDER = [
     ("pooled", "+ pooled classifier", ["VIT.CLASSIFIER_TYPE", "pooled"]),
     ("batch_second", "+ batch-second", ["VIT.LAYOUT", "batch_second"]),
     ("amp_o2", "+ AMP O2", ["AMP.MODE", "O2"]),
-    ("compile", "+ torch.compile", []),
+    ("compile", "+ torch.compile", ["TRAIN.COMPILE", "model"]),
     ("loader", "+ threaded loader", []),
 ]
 PEERS = {"timm": "timm ViT, eager", "timm_compile": "timm ViT, compiled"}
@@ -219,15 +219,16 @@ def build_variants(args, rungs, peers, root):
     """Returns ({name: step}, {name: (label, cfg, flops, dtype)}, notes, closers)."""
     steps, info, notes, closers = {}, {}, {}, []
     by_name = {name: (label, cfg) for name, label, cfg in rungs}
-    last_cfg = rungs[-1][2]  # all optimizations: the peers' precision and optimizer
+    # All optimizations: the peers' precision and optimizer (compiled or not per peer).
+    last_cfg = with_overrides(rungs[-1][2], {"TRAIN.COMPILE": "off"})
     for name in args.chosen:
         label, cfg = by_name[name]
         print(f"building {name}", flush=True)
         seed_everything(cfg.RNG_SEED)
+        if name == "loader" and "compile" not in steps:
+            # The loader rung is compiled when the compile rung ran (compiled) before.
+            cfg = with_overrides(cfg, {"TRAIN.COMPILE": "off"})
         parts = build_components(cfg, loaders=False)
-        # The loader rung is compiled when the compile rung ran (compiled) before it.
-        if name == "compile" or (name == "loader" and "compile" in steps):
-            _compile_in_place(parts.trained)
         if name == "loader":
             loader = construct_train_loader(_loader_cfg(cfg, root, args.workers))
             step = LoaderStep(parts, loader)

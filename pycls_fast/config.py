@@ -517,6 +517,13 @@ _key("TRAIN.RESET_HEAD", False)
 # weights), used only when AMP.MODE is not set (see AMP.MODE)
 _key("TRAIN.MIXED_PRECISION", False)
 
+# pycls_fast: torch.compile the trained model: 'off', 'block' (each encoder block on
+# its own, as torchtitan does: composes with FSDP2 and activation checkpointing, one
+# compilation shared by all blocks) or 'model' (the whole model, before DDP wraps it).
+# Compilation happens in the first steps (minutes for large models on a GPU; needs a
+# C++ compiler on a CPU)
+_key("TRAIN.COMPILE", "off", choices=["off", "block", "model"])
+
 # Label smoothing value in 0 to 1 (0 gives no smoothing)
 _key("TRAIN.LABEL_SMOOTHING", 0.0, ge=0, lt=1)
 

@@ -131,10 +131,24 @@ def parallelize(
     (for FSDP O2: still fp32, see the module docstring)."""
     if cfg.FSDP.ACTIVATION_CHECKPOINT:
         apply_activation_checkpointing(model)
+    apply_compile(model, cfg.TRAIN.COMPILE)
     if fsdp_enabled(cfg):
         return shard_model(model, cfg, mode, half)
     if distributed.world_size() > 1:
         return wrap_ddp(model, mode, device)
+    return model
+
+
+def apply_compile(model: nn.Module, how: str) -> nn.Module:
+    """TRAIN.COMPILE: torch.compile each encoder block ('block') or the whole model
+    ('model'), in place (`Module.compile`: the module and its state-dict names stay),
+    after activation checkpointing and before FSDP or DDP wrap it, torchtitan's
+    order. Compilation happens at the first call."""
+    if how == "block":
+        for block in encoder_blocks(model):
+            block.compile()
+    elif how == "model":
+        model.compile()
     return model
 
 
