@@ -9,7 +9,9 @@ TRAIN.BATCH_SIZE / processes, evaluation throughput, the loader's images/s on
 DATA.PATH (or, when DATA.PATH is empty, on a temporary folder of photo-like JPEGs of
 ImageNet size), the model FLOP utilization (MFU) against the matmul peak of this device
 and dtype measured in the same run, and the projected time of one ImageNet-1k epoch
-(1,281,167 images) at the slower of the step and the loader. With --json the last line
+(1,281,167 images) at the slower of the step and the loader (what a run adds to that:
+evaluation, checkpoints and a log line every LOG_PERIOD steps, the only steps that read
+a value back from the device). With --json the last line
 is one JSON object of these figures.
 
 Keeps to a time budget (--seconds, default 60): one untimed call per phase sizes its
@@ -317,7 +319,12 @@ def report(record, args):
         f"MFU {100 * r['mfu']:.1f}%"
     )
     hours = record["epoch_time_s"] / 3600
-    print(f"  projected ImageNet-1k epoch: {hours:.2f} h")
+    # What a run adds: a log line (one host read) every LOG_PERIOD steps, the
+    # checkpoints and the evaluation; its steps read nothing back otherwise.
+    print(
+        f"  projected ImageNet-1k epoch: {hours:.2f} h (training steps and loader only:"
+        " not evaluation, checkpoints or the log line every LOG_PERIOD steps)"
+    )
     if args.json:
         print(json.dumps(record))
 
