@@ -28,6 +28,7 @@ setup(
         "psutil>=5.9",
         "tqdm>=4.60",
         "matplotlib>=3.7",
+        "submitit>=1.5",
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2", "ruff>=0.6", "scikit-learn>=1.3"],

@@ -666,40 +666,53 @@ _key("PREC_TIME.NUM_ITER", 30, gt=0)
 
 
 # ---------------------------------- Launch options ---------------------------------- #
-# pycls's launcher keys; 'local' spawns NUM_GPUS processes. The SLURM keys are accepted
-# and ignored: pycls_fast submits no jobs (docs/DISTRIBUTED.md shows a batch script).
+# pycls's launcher keys: 'local' runs here (NUM_GPUS processes, or under torchrun);
+# 'slurm' and 'submitit_local' submit the job through submitit (docs/DISTRIBUTED.md).
 _C.LAUNCH = CfgNode()
 
-# Launch mode: only 'local' is implemented; pycls's 'slurm' and 'submitit_local' load
-# but are refused when a tool starts the job (submit with sbatch + torchrun instead)
+# Launch mode: 'local', 'slurm' (sbatch through submitit, one task per GPU) or
+# 'submitit_local' (submitit's local executor: the same job as processes here)
 _key("LAUNCH.MODE", "local", choices=["local", "slurm", "submitit_local"])
 
-# Maximum number of retries of a preempted SLURM job (GPU cluster only)
-_key("LAUNCH.MAX_RETRY", 3)
+# Times a job stopped by the time-limit signal is requeued (it resumes from OUT_DIR);
+# SLURM requeues a preempted job itself
+_key("LAUNCH.MAX_RETRY", 3, ge=0)
 
-# SLURM job name (GPU cluster only)
+# SLURM job name
 _key("LAUNCH.NAME", "pycls_fast_job")
 
-# SLURM job comment (GPU cluster only)
+# SLURM job comment
 _key("LAUNCH.COMMENT", "")
 
-# CPUs per GPU requested from SLURM (GPU cluster only)
-_key("LAUNCH.CPUS_PER_GPU", 10)
+# CPUs per GPU (per task) requested from SLURM
+_key("LAUNCH.CPUS_PER_GPU", 10, gt=0)
 
-# Memory per GPU in GB requested from SLURM (GPU cluster only)
-_key("LAUNCH.MEM_PER_GPU", 60)
+# Memory per GPU (per task) in GB requested from SLURM
+_key("LAUNCH.MEM_PER_GPU", 60, gt=0)
 
-# SLURM partition (GPU cluster only)
+# SLURM partition
 _key("LAUNCH.PARTITION", "devlab")
 
-# SLURM GPU type constraint (GPU cluster only)
+# SLURM GPU type constraint (--constraint; '' for none)
 _key("LAUNCH.GPU_TYPE", "volta")
 
-# SLURM time limit in minutes (GPU cluster only)
-_key("LAUNCH.TIME_LIMIT", 4200)
+# SLURM time limit in minutes (submitit_local: the job is stopped after it too)
+_key("LAUNCH.TIME_LIMIT", 4200, gt=0)
 
-# Email for SLURM notifications (GPU cluster only)
+# Email for SLURM notifications (end and failure)
 _key("LAUNCH.EMAIL", "")
+
+# pycls_fast: a partition without GPUs: no GPUs requested, ranks use gloo; each of
+# the NUM_GPUS ranks is one task (MAX_GPUS_PER_NODE of them per node)
+_key("LAUNCH.CPU_ONLY", False)
+
+# pycls_fast: seconds before the time limit at which SLURM sends USR2 (--signal):
+# the run writes a checkpoint and the job is requeued (LAUNCH.MAX_RETRY)
+_key("LAUNCH.SIGNAL_DELAY_S", 120, gt=0)
+
+# pycls_fast: the submitting tool waits for the job and reports its result or
+# failure (pycls returns at once: False)
+_key("LAUNCH.WAIT", False)
 
 
 # ----------------------------------- FSDP options ----------------------------------- #
@@ -746,8 +759,9 @@ _key("VERBOSE", True)
 # Number of processes (devices) to use; outside torchrun, N local processes are spawned
 _key("NUM_GPUS", 1, gt=0)
 
-# Maximum number of GPUs per node (pycls; used to split NUM_GPUS across SLURM nodes)
-_key("MAX_GPUS_PER_NODE", 8)
+# Maximum number of GPUs per node (pycls): a SLURM job of NUM_GPUS ranks gets
+# ceil(NUM_GPUS / MAX_GPUS_PER_NODE) nodes, one task per GPU
+_key("MAX_GPUS_PER_NODE", 8, gt=0)
 
 # Output directory (logs, checkpoints, config.yaml)
 _key("OUT_DIR", "/tmp/pycls_fast")
@@ -801,8 +815,6 @@ IGNORED: dict[str, str] = {
     "TRAIN.DATASET": "images are read from DATA.PATH/TRAIN.SPLIT",
     "TEST.DATASET": "images are read from DATA.PATH/TEST.SPLIT",
     "MEM.RELU_INPLACE": "older pycls; MODEL.ACTIVATION_INPLACE is read",
-    "LAUNCH": "pycls_fast submits no jobs; it launches locally or under torchrun",
-    "MAX_GPUS_PER_NODE": "only SLURM launching used it",
     "VERBOSE": "the log is the same either way",
     "DOWNLOAD_CACHE": "pycls_fast never downloads weights",
 }
@@ -824,14 +836,6 @@ class _Refusal:
 # The values of keys whose silent ignoring would run something other than what the
 # config asks for: refused (exit status 2) until they are implemented.
 _REFUSALS = [
-    _Refusal(
-        "LAUNCH.MODE",
-        lambda c: c.LAUNCH.MODE != "local",
-        "it would run locally; set LAUNCH.MODE local and submit the job with sbatch "
-        "+ torchrun (docs/DISTRIBUTED.md)",
-        "refused: all but 'local' (when a tool starts the job)",
-        at_launch=True,
-    ),
     _Refusal(
         "MODEL.ACTIVATION_FUN",
         lambda c: c.MODEL.ACTIVATION_FUN.lower() != "relu",
@@ -1117,9 +1121,19 @@ def check_cfg(cfg: CfgNode) -> None:
 
 def check_launch(cfg: CfgNode) -> None:
     """Refuses, with a ConfigError naming the key, a config whose launch keys ask for
-    what pycls_fast does not implement (LAUNCH.MODE 'slurm'); the tools call it (via
-    core/launch.py) before any work starts."""
+    what pycls_fast does not implement, or a job that cannot be laid out on nodes;
+    the tools call it (also via core/launch.py) before any work starts."""
     _refuse(cfg, at_launch=True)
+    per_node = cfg.MAX_GPUS_PER_NODE
+    if (
+        cfg.LAUNCH.MODE != "local"
+        and per_node < cfg.NUM_GPUS
+        and cfg.NUM_GPUS % per_node
+    ):
+        raise ConfigError(
+            f"NUM_GPUS ({cfg.NUM_GPUS}) over several nodes must be a multiple of "
+            f"MAX_GPUS_PER_NODE ({per_node})"
+        )
 
 
 def _check_attention(cfg: CfgNode) -> None:

@@ -11,7 +11,7 @@ torchrun or with NUM_GPUS N like train_net."""
 
 from pycls_fast.config import check_launch
 from pycls_fast.core.cli import cfg_from_args, config_parser, run
-from pycls_fast.core.launch import launch
+from pycls_fast.core.submit import submit_or_launch
 from pycls_fast.core.trainer import test_model
 from pycls_fast.datasets.loader import check_data
 
@@ -23,7 +23,7 @@ def main():
     cfg = cfg_from_args(parser.parse_args())
     check_launch(cfg)  # what to run is refused before what to read
     check_data(cfg, ("test",))  # once, before any rank starts
-    record = launch(test_model, cfg)
+    record = submit_or_launch(test_model, cfg)
     if record is None:  # not rank 0
         return
     print(

@@ -2,14 +2,16 @@
 """Trains a model: python tools/train_net.py --cfg FILE [KEY VALUE ...]
 
 One process by default; `NUM_GPUS N` spawns N local processes (one per GPU, or sharing
-the CPU cores); under `torchrun --nproc_per_node N` each process is one rank."""
+the CPU cores); under `torchrun --nproc_per_node N` each process is one rank;
+`LAUNCH.MODE slurm` (or `submitit_local`) submits the job through submitit and returns
+at once (`LAUNCH.WAIT True`: waits and reports its result)."""
 
 import logging
 import os
 
 from pycls_fast.config import check_launch
 from pycls_fast.core.cli import cfg_from_args, config_parser, run
-from pycls_fast.core.launch import launch
+from pycls_fast.core.submit import submit_or_launch
 from pycls_fast.core.trainer import train_model
 from pycls_fast.datasets.loader import check_data
 from pycls_fast.errors import Stopped
@@ -32,7 +34,7 @@ def main():
     cfg = cfg_from_args(parser.parse_args())
     check_launch(cfg)  # what to run is refused before what to read
     check_data(cfg, ("train", "test"))  # once, before any rank starts
-    results = launch(train, cfg)
+    results = submit_or_launch(train, cfg)
     if results is None:  # not rank 0
         return
     test = results.get("test", {})

@@ -1,5 +1,6 @@
-"""Preemption and Ctrl-C: SIGTERM / SIGINT become a request to stop at the next
-iteration boundary, after writing a checkpoint, instead of dying mid-step.
+"""Preemption and Ctrl-C: SIGTERM / SIGINT (and SIGUSR2, SLURM's time-limit signal)
+become a request to stop at the next iteration boundary, after writing a checkpoint,
+instead of dying mid-step.
 
     stop = StopRequest()
     with stop:                       # handlers installed (main thread only)
@@ -22,7 +23,8 @@ from typing import Any
 from pycls_fast.core import distributed
 from pycls_fast.errors import Stopped  # noqa: F401 - raised by the trainer
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGUSR2: SLURM's signal before the time limit under submitit (LAUNCH.MODE slurm).
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 
 
 class StopRequest:

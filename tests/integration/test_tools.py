@@ -83,16 +83,17 @@ def test_user_mistakes_exit_2_with_one_line(args, message):
 
 
 @pytest.mark.parametrize("mode", ["slurm", "submitit_local"])
-def test_unimplemented_launch_mode_is_refused_before_any_work(tmp_path, mode):
+def test_a_job_that_cannot_be_shaped_is_refused_before_any_work(tmp_path, mode):
     out = tmp_path / "out"
     result = run_tool(
-        "train_net.py", "--cfg", EXAMPLE, "LAUNCH.MODE", mode, "OUT_DIR", str(out)
-    )
+        "train_net.py", "--cfg", EXAMPLE, "LAUNCH.MODE", mode, "OUT_DIR", str(out),
+        "NUM_GPUS", "12", "TRAIN.BATCH_SIZE", "96", "TEST.BATCH_SIZE", "96",
+        "MAX_GPUS_PER_NODE", "8",
+    )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"error: LAUNCH.MODE '{mode}' is not implemented in pycls_fast: it would run "
-        "locally; set LAUNCH.MODE local and submit the job with sbatch + torchrun "
-        "(docs/DISTRIBUTED.md)"
+        "error: NUM_GPUS (12) over several nodes must be a multiple of "
+        "MAX_GPUS_PER_NODE (8)"
     ]
     assert not out.exists()
 

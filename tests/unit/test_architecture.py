@@ -23,6 +23,7 @@ LAYERS = [
     ["pycls_fast.core.trainer"],
     ["pycls_fast.core.timing"],  # times the trainer's step
     ["pycls_fast.core.launch"],
+    ["pycls_fast.core.submit"],  # submits what launch runs, through submitit
     ["pycls_fast.core.cli"],
     ["pycls_fast.sweep"],
 ]
