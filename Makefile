@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-unit test-integration test-slow lint format demo sweep-demo \
+.PHONY: setup test test-unit test-integration test-slow slurm lint format demo sweep-demo \
 	check-node bench bench-dist bench-attention \
 	bench-loader bench-optimizer clean
 
@@ -16,8 +16,10 @@ $(STAMP): requirements.lock setup.py
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-# Everything (what CI runs): lint, then unit and integration tests.
-test: setup lint
+# Everything (what CI runs): lint, then unit and integration tests. SLURM (for the
+# cluster tests, tests/slurm/cluster.sh) is installed when missing and this is root
+# with apt-get; otherwise those tests skip and say why.
+test: setup lint slurm
 	$(PY) -m pytest -q
 
 # In-process tests only (about a minute): tests/unit.
@@ -25,8 +27,11 @@ test-unit: setup
 	$(PY) -m pytest -q tests/unit
 
 # Subprocesses, signals, process groups, benchmarks' smoke runs: tests/integration.
-test-integration: setup
+test-integration: setup slurm
 	$(PY) -m pytest -q tests/integration
+
+slurm:
+	bash tests/slurm/cluster.sh install || echo "SLURM not installed: the SLURM tests will skip"
 
 lint: setup
 	$(VENV)/bin/ruff check .
