@@ -54,9 +54,8 @@ resolved switches.
 marked "ignored" in the limits column (the list is `IGNORED` in `pycls_fast/config.py`):
 setting one to a non-default value logs one warning naming it. A value whose silent
 ignoring would run something other than what the config asks for is refused (exit
-status 2) until it is implemented: `LAUNCH.MODE` other than 'local' (when a tool
-starts the job; the config still loads for inspection), `MODEL.ACTIVATION_FUN` other
-than 'relu', `BN.USE_PRECISE_STATS` True, `OPTIM.GAMMA` with `OPTIM.LR_POLICY` 'exp',
+status 2) until it is implemented: `MODEL.ACTIVATION_FUN` other than 'relu',
+`BN.USE_PRECISE_STATS` True, `OPTIM.GAMMA` with `OPTIM.LR_POLICY` 'exp',
 `DATA_LOADER.MODE` 'ffcv'.
 
 A loaded config is frozen: code that adjusts keys afterwards goes through
