@@ -4,8 +4,10 @@
 
 Runs each fork that is not done as `python tools/train_net.py --cfg FORK`, N at a time
 (LAUNCH.PARALLEL_JOBS, or --max-parallel), each in its own OUT_DIR under
-ROOT_DIR/NAME/logs/. Finished runs are skipped, stopped ones resume, failed ones are
-rerun only with --retry-failed. Exit status 1 when a run failed."""
+ROOT_DIR/NAME/logs/. With the sweep's LAUNCH.MODE slurm (or submitit_local) each of
+those submits its run as a job (train_net's LAUNCH.MODE, with the sweep's LAUNCH
+resources) and waits for it. Finished runs are skipped, stopped ones resume, failed
+ones are rerun only with --retry-failed. Exit status 1 when a run failed."""
 
 import argparse
 import os
@@ -14,15 +16,17 @@ import sys
 from pycls_fast.core.cli import run
 from pycls_fast.errors import PyclsFastError
 from pycls_fast.sweep.config import load_sweep_cfg
-from pycls_fast.sweep.launcher import Job, LocalBackend, launch_sweep
+from pycls_fast.sweep.launcher import Job, LocalBackend, job_overrides, launch_sweep
 from pycls_fast.sweep.setup import load_forks
 
 TRAIN_NET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_net.py")
 
 
-def train_command(job: Job) -> list[str]:
-    """The command that trains one fork (the normal training path)."""
-    return [sys.executable, TRAIN_NET, "--cfg", job.cfg_file]
+def train_command(job: Job, launch=None) -> list[str]:
+    """The command that trains one fork (the normal training path), as a job of the
+    sweep's LAUNCH.MODE when `launch` (the sweep's LAUNCH section) says so."""
+    extra = job_overrides(launch, job) if launch is not None else []
+    return [sys.executable, TRAIN_NET, "--cfg", job.cfg_file, *extra]
 
 
 def main():
@@ -40,7 +44,8 @@ def main():
     sweep = load_sweep_cfg(args.sweep_cfg)
     runs = load_forks(sweep)["runs"]
     parallel = args.max_parallel or sweep.LAUNCH.PARALLEL_JOBS
-    backend = LocalBackend(train_command, parallel)
+    launch = sweep.LAUNCH
+    backend = LocalBackend(lambda job: train_command(job, launch), parallel)
     try:
         counts = launch_sweep(runs, backend, args.retry_failed, print)
     except KeyboardInterrupt:

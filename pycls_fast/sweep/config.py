@@ -51,11 +51,13 @@ DEFAULTS: dict[str, Any] = {
         },
     },
     "LAUNCH": {
-        # Backend: 'local' (subprocesses on this machine); 'slurm' is planned
+        # Backend: 'local' (train_net subprocesses on this machine); 'slurm' or
+        # 'submitit_local': each run is a job of train_net's LAUNCH.MODE of that name
+        # (docs/DISTRIBUTED.md), submitted and waited for by a subprocess here
         "MODE": "local",
-        # Runs at once (the SLURM array's %N)
+        # Runs at once (submitted jobs in the queue or running, with slurm)
         "PARALLEL_JOBS": 1,
-        # SLURM resources, read by the SLURM backend once it exists (not used locally)
+        # The runs' job resources (slurm, submitit_local): train_net's LAUNCH keys
         "NUM_GPUS": 1,
         "CPUS_PER_GPU": 10,
         "MEM_PER_GPU": 60,
@@ -64,6 +66,7 @@ DEFAULTS: dict[str, Any] = {
         "TIME_LIMIT": 4200,
         "COMMENT": "",
         "MAX_RETRY": 3,
+        "CPU_ONLY": False,
     },
     "ANALYZE": {
         # Keys to plot the error against besides the swept ones (e.g. TRAIN.BATCH_SIZE)
@@ -73,7 +76,7 @@ DEFAULTS: dict[str, Any] = {
     },
 }
 
-LAUNCH_MODES = ("local",)
+LAUNCH_MODES = ("local", "slurm", "submitit_local")
 # Free-form mappings: their keys are config keys, not schema keys.
 _FREE = {"SETUP.BASE_OPTS", "SETUP.SAMPLERS", "SETUP.DERIVED"}
 

@@ -5,10 +5,10 @@
 
 A backend takes jobs and reports when they start and end; the driver (`launch_sweep`)
 chooses which runs to submit (not done; failed ones only with `retry_failed`), prints
-progress and an ETA, and never needs to know where the runs execute. To add SLURM:
-a `Backend` whose `submit` writes one sbatch array (`--array=0-N%PARALLEL_JOBS`, each
-task running `command(job)` with output to OUT_DIR/launch.log and its exit status to
-OUT_DIR/exit_status.json) and whose `wait` polls those files (docs/SWEEPS.md).
+progress and an ETA, and never needs to know where the runs execute. SLURM runs go
+through the same backend: each subprocess is `train_net.py ... LAUNCH.MODE slurm
+LAUNCH.WAIT True` (`job_overrides`), which submits the run as a SLURM job through
+submitit, waits for it and ends with its status (docs/SWEEPS.md).
 """
 
 import collections
@@ -136,6 +136,21 @@ class LocalBackend(Backend):
             proc.wait()
             log.close()
         self.running.clear()
+
+
+def job_overrides(launch: Mapping[str, Any], job: Job) -> list[str]:
+    """The train_net overrides that run `job` as a job of the sweep's LAUNCH.MODE
+    ('slurm' or 'submitit_local'; none for 'local'), waited for, with the sweep's
+    LAUNCH resources and the run's name as the job name."""
+    if launch["MODE"] == "local":
+        return []
+    keys = ["CPUS_PER_GPU", "MEM_PER_GPU", "TIME_LIMIT", "MAX_RETRY", "CPU_ONLY"]
+    keys += [k for k in ("PARTITION", "GPU_TYPE", "COMMENT") if launch[k]]
+    out = ["LAUNCH.MODE", launch["MODE"], "LAUNCH.WAIT", "True"]
+    out += ["LAUNCH.NAME", job.name, "NUM_GPUS", str(launch["NUM_GPUS"])]
+    for key in keys:
+        out += [f"LAUNCH.{key}", str(launch[key])]
+    return out
 
 
 def _job(run: Mapping[str, Any]) -> Job:

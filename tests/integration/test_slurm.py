@@ -240,3 +240,30 @@ def test_a_failing_slurm_job_reports_its_reason(slurm, digits, tmp_path):
     line = result.stderr.strip().splitlines()[-1]
     assert re.match(r"error: job \d+ failed: .*loss is nan", line), line
     assert line.endswith("_log.err")
+
+
+def test_a_sweep_of_four_forks_runs_through_slurm(slurm, digits, tmp_path):
+    import yaml
+
+    from tests.helpers import run_tool
+    from tests.integration.test_sweep import LR_DEPTH, _write_sweep
+
+    path = tmp_path / "sweep.yaml"
+    _write_sweep(tmp_path, digits, SAMPLERS=LR_DEPTH)
+    raw = yaml.safe_load(path.read_text())
+    raw["LAUNCH"].update(
+        MODE="slurm", PARALLEL_JOBS=2, PARTITION="debug", CPU_ONLY=True,
+        CPUS_PER_GPU=1, MEM_PER_GPU=1, TIME_LIMIT=30,
+    )  # fmt: skip
+    path.write_text(yaml.safe_dump(raw))
+    for tool in ("sweep_setup.py", "sweep_launch.py", "sweep_collect.py",
+                 "sweep_analyze.py"):  # fmt: skip
+        result = run_tool(tool, "--sweep-cfg", str(path))
+        assert result.returncode == 0, (tool, result.stdout, result.stderr)
+    sweep = os.path.join(raw["ROOT_DIR"], "tiny")
+    for name in ("000000", "000001", "000002", "000003"):
+        log = (tmp_path / "sweeps" / "tiny" / "logs" / name / "launch.log").read_text()
+        assert re.search(r"submitted job \d+ to SLURM", log), log
+        assert "final top-1 accuracy" in log
+    index = os.path.join(sweep, "analysis", "index.html")
+    assert os.path.getsize(index) > 1000

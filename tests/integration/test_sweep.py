@@ -288,7 +288,7 @@ def test_setup_refuses_a_started_sweep(tmp_path):
     [
         ({"NAM": "x"}, "unknown sweep config key NAM .*did you mean 'NAME'"),
         ({"NAME": ""}, "NAME must be set"),
-        ({"LAUNCH": {"MODE": "slurm"}}, "not implemented yet"),
+        ({"LAUNCH": {"MODE": "pbs"}}, "not implemented yet"),
         ({"SETUP": {"NUM_CONFIGS": "six"}}, "expected int"),
     ],
 )
@@ -419,3 +419,30 @@ def test_tools_report_a_missing_setup_in_one_line(tmp_path):
 def test_job_is_a_plain_record():
     job = Job("000001", "/a.yaml", "/out")
     assert (job.name, job.cfg_file, job.out_dir) == ("000001", "/a.yaml", "/out")
+
+
+def test_slurm_runs_are_train_net_jobs_with_the_sweeps_resources(tmp_path):
+    from pycls_fast.sweep.launcher import Job, job_overrides
+
+    raw = yaml.safe_load(_read(_write_sweep(tmp_path, SAMPLERS=LR_DEPTH)))
+    raw["LAUNCH"].update(MODE="slurm", NUM_GPUS=8, PARTITION="learnfair",
+                         TIME_LIMIT=600, CPU_ONLY=False)  # fmt: skip
+    path = tmp_path / "slurm.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    launch = load_sweep_cfg(str(path)).LAUNCH
+    job = Job("000003", "cfgs/000003.yaml", "logs/000003")
+    opts = job_overrides(launch, job)
+    pairs = dict(zip(opts[::2], opts[1::2]))
+    assert pairs == {
+        "LAUNCH.MODE": "slurm", "LAUNCH.WAIT": "True", "LAUNCH.NAME": "000003",
+        "NUM_GPUS": "8", "LAUNCH.CPUS_PER_GPU": "10", "LAUNCH.MEM_PER_GPU": "60",
+        "LAUNCH.TIME_LIMIT": "600", "LAUNCH.MAX_RETRY": "3",
+        "LAUNCH.CPU_ONLY": "False", "LAUNCH.PARTITION": "learnfair",
+    }  # fmt: skip
+    # The fork's config takes them (they are train_net's LAUNCH keys).
+    cfg = load_cfg(
+        DIGITS_CFG, ["TRAIN.BATCH_SIZE", "64", "TEST.BATCH_SIZE", "64", *opts]
+    )
+    assert (cfg.LAUNCH.MODE, cfg.LAUNCH.NAME, cfg.NUM_GPUS) == ("slurm", "000003", 8)
+    local = load_sweep_cfg(_write_sweep(tmp_path, SAMPLERS=LR_DEPTH)).LAUNCH
+    assert job_overrides(local, job) == []
