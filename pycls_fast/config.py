@@ -577,8 +577,10 @@ _key("DATA.HFLIP", 0.5, ge=0, le=1)
 
 # pycls_fast: channel order the model sees: 'rgb', or 'bgr' as pycls's ImageNet loader
 # feeds it (BGR pixels, each channel with its own mean and std); weights trained by
-# pycls expect 'bgr'
-_key("DATA.CHANNEL_ORDER", "rgb", choices=["rgb", "bgr"])
+# pycls expect 'bgr'. 'auto': the order the weights loaded (TEST.WEIGHTS, or
+# TRAIN.WEIGHTS when training) expect: 'bgr' for a pycls checkpoint, the saved order
+# for a pycls_fast one, else 'rgb' (the run's config.yaml records the choice)
+_key("DATA.CHANNEL_ORDER", "auto", choices=["auto", "rgb", "bgr"])
 
 # Cache each split's file index in OUT_DIR/data_index (rescanned when a folder changes)
 _key("DATA.INDEX_CACHE", True)

@@ -22,10 +22,14 @@ import torch
 import torch.nn.functional as F
 from yacs.config import CfgNode
 
-from pycls_fast.config import dump_cfg
+from pycls_fast.config import dump_cfg, with_overrides
 from pycls_fast.core import distributed
 from pycls_fast.core.checkpoint import CheckpointManager, files
-from pycls_fast.core.checkpoint.weights import LoadedWeights, load_model_weights
+from pycls_fast.core.checkpoint.weights import (
+    LoadedWeights,
+    checkpoint_channel_order,
+    load_model_weights,
+)
 from pycls_fast.core.device_info import describe_device
 from pycls_fast.core.ema import create_ema, ema_alpha, ema_enabled, update_ema
 from pycls_fast.core.logging import format_eta, log_json_stats, setup_logging
@@ -444,8 +448,21 @@ def train_model(cfg):
             lock.release()
 
 
+def resolve_channel_order(cfg: CfgNode, weights: str) -> CfgNode:
+    """DATA.CHANNEL_ORDER 'auto' made 'rgb' or 'bgr': what the checkpoint `weights`
+    expects (a pycls checkpoint: pycls's BGR; a pycls_fast one: its saved order),
+    else 'rgb'; logs the choice. An explicit order is kept."""
+    if cfg.DATA.CHANNEL_ORDER != "auto":
+        return cfg
+    found = checkpoint_channel_order(weights) if weights else None
+    order, why = found or ("rgb", "no checkpoint says otherwise")
+    logger.info("DATA.CHANNEL_ORDER auto: %s (%s)", order, why)
+    return with_overrides(cfg, {"DATA.CHANNEL_ORDER": order})
+
+
 def _train(cfg, stop):
     setup_run(cfg)
+    cfg = resolve_channel_order(cfg, cfg.TRAIN.WEIGHTS)
     seed_everything(cfg.RNG_SEED)
     parts = build_components(cfg)
     logger.info(
@@ -521,6 +538,7 @@ def test_model(cfg):
     path, how = files.resolve_weights(cfg.TEST.WEIGHTS)
     if how != "given":
         logger.info("TEST.WEIGHTS %s: %s", cfg.TEST.WEIGHTS, how)
+    cfg = resolve_channel_order(cfg, path)
     # Loaded before wrapping or sharding; load_state_dict copies into the model as
     # built, in its dtypes.
     parts = build_components(

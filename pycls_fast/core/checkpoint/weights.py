@@ -3,10 +3,12 @@
 from dataclasses import dataclass, field
 
 import torch
+import yaml
 
 from pycls_fast.core.checkpoint.files import is_sharded, load_checkpoint
 from pycls_fast.core.checkpoint.sharded import read_meta, read_model_state
 from pycls_fast.errors import CheckpointError
+from pycls_fast.models.pycls_compat import is_pycls_main
 from pycls_fast.models.timm_compat import unwrap_state_dict
 
 HEAD = "head."
@@ -27,11 +29,15 @@ class LoadedWeights:
     # next one); None for weights that do not carry it (converted timm files).
     epoch: int | None = None
     iteration: int = 0
+    # Why these weights of the checkpoint were chosen, when a rule chose them.
+    why: str = ""
 
     def describe(self) -> str:
         """One line: file, which weights, tensors matched, what was re-initialised."""
         which = "EMA weights" if self.ema else "model weights"
         line = f"loaded {which} of {self.path}: {self.matched}/{self.total} tensors"
+        if self.why:
+            line += f" ({self.why})"
         if self.reinitialised:
             line += f"; re-initialised {', '.join(self.reinitialised)}"
         return line
@@ -59,17 +65,67 @@ def _misfit(state: dict, ours: dict, allow_missing_head: bool, reset_head: bool)
     return None
 
 
+def is_pycls_checkpoint(checkpoint) -> bool:
+    """Whether a loaded checkpoint file was written by pycls (its trainer's
+    {epoch, model_state, [ema_state], optimizer_state, test_err, ema_err, cfg}, or
+    pycls main's ViT names), not by pycls_fast (whose training checkpoints carry
+    scaler_state) or converted from timm."""
+    if not isinstance(checkpoint, dict) or "model_state" not in checkpoint:
+        return False
+    if "scaler_state" in checkpoint:
+        return False
+    pycls_keys = "test_err" in checkpoint or "ema_err" in checkpoint
+    return pycls_keys or is_pycls_main(checkpoint["model_state"])
+
+
+def _pycls_choice(checkpoint: dict) -> tuple[str, str]:
+    """pycls's test_model rule (pycls/core/checkpoint.py load_checkpoint without an
+    EMA model): the model weights unless the EMA's test error was lower."""
+    test_err = checkpoint.get("test_err", 100)
+    ema_err = checkpoint.get("ema_err", 100)
+    if "ema_state" in checkpoint and ema_err < test_err:
+        return "ema_state", f"pycls's rule: EMA top-1 err {ema_err} < {test_err}"
+    if "ema_state" in checkpoint:
+        return "model_state", f"pycls's rule: top-1 err {test_err} <= EMA {ema_err}"
+    return "model_state", ""
+
+
 def _read(path: str, use_ema: bool):
-    """(state dict, whether it is the EMA's, meta dict) of a checkpoint."""
+    """(state dict, whether it is the EMA's, meta dict, why) of a checkpoint."""
     if is_sharded(path):
         ema = read_model_state(path, "ema") if use_ema else {}
         state = ema or read_model_state(path)
-        return state, bool(ema), read_meta(path)
+        return state, bool(ema), read_meta(path), ""
     checkpoint = load_checkpoint(path)
     meta = checkpoint if isinstance(checkpoint, dict) else {}
     if use_ema and "ema_state" in checkpoint:
-        return checkpoint["ema_state"], True, meta
-    return unwrap_state_dict(checkpoint), False, meta
+        return checkpoint["ema_state"], True, meta, ""
+    if is_pycls_checkpoint(checkpoint):
+        key, why = _pycls_choice(checkpoint)
+        chosen = {"model_state": checkpoint[key]}
+        return unwrap_state_dict(chosen), key == "ema_state", meta, why
+    return unwrap_state_dict(checkpoint), False, meta, ""
+
+
+def checkpoint_channel_order(path: str) -> tuple[str, str] | None:
+    """The channel order the weights of a checkpoint expect, with the reason: 'bgr'
+    for pycls's checkpoints (pycls's loader feeds BGR), the saved config's
+    DATA.CHANNEL_ORDER for pycls_fast's; None when the checkpoint does not say."""
+    if is_sharded(path):
+        cfg_text = read_meta(path).get("cfg")
+    else:
+        checkpoint = load_checkpoint(path)
+        if is_pycls_checkpoint(checkpoint):
+            return "bgr", "a pycls checkpoint: pycls's ImageNet loader feeds BGR"
+        cfg_text = checkpoint.get("cfg") if isinstance(checkpoint, dict) else None
+    try:
+        saved = yaml.safe_load(cfg_text) if isinstance(cfg_text, str) else None
+        order = saved["DATA"]["CHANNEL_ORDER"]
+    except (yaml.YAMLError, KeyError, TypeError):
+        return None
+    if order in ("rgb", "bgr"):
+        return order, "the order its training used"
+    return None
 
 
 def load_model_weights(
@@ -85,7 +141,7 @@ def load_model_weights(
     yet sharded); names the file on mismatch. `allow_missing_head`: head.* tensors
     may be absent (TRAIN.WEIGHTS); `reset_head`: head.* tensors of another shape are
     skipped too, leaving the model's fresh classifier (TRAIN.RESET_HEAD)."""
-    state, ema, meta = _read(path, use_ema)
+    state, ema, meta, why = _read(path, use_ema)
     ours = model.state_dict()
     reset = []
     if reset_head:
@@ -108,4 +164,5 @@ def load_model_weights(
         reinitialised=[k for k in ours if k not in state],
         epoch=epoch if isinstance(epoch, int) else None,
         iteration=int(meta.get("iter") or 0),
+        why=why,
     )
