@@ -32,5 +32,7 @@ setup(
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2", "ruff>=0.6", "scikit-learn>=1.3"],
+        # LOG_TENSORBOARD: event files through torch.utils.tensorboard.
+        "tensorboard": ["tensorboard>=2.14"],
     },
 )

@@ -780,6 +780,11 @@ _key("LOG_DEST", "stdout", choices=["stdout", "file"])
 # Log period in iterations
 _key("LOG_PERIOD", 10, gt=0)
 
+# pycls_fast: also write every stats record as TensorBoard scalars to OUT_DIR/tb_log
+# (`<type>/<field>`, as pycls's vitconfigs branch; needs the tensorboard package).
+# OUT_DIR/epoch_stats.csv (a row per epoch record) is always written
+_key("LOG_TENSORBOARD", False)
+
 # Distributed backend ('nccl' on GPUs; CPU runs always use 'gloo')
 _key("DIST_BACKEND", "nccl", choices=["nccl", "gloo", "mpi", "ucc"])
 

@@ -50,6 +50,7 @@ from pycls_fast.core.precision import (
 )
 from pycls_fast.core.preemption import StopRequest
 from pycls_fast.core.run_lock import RunLock
+from pycls_fast.core.stats_sinks import attach_stats_sinks
 from pycls_fast.datasets.device import DeviceBatchTransform
 from pycls_fast.datasets.loader import (
     ImageLoader,
@@ -114,6 +115,8 @@ def setup_run(cfg):
     flags (TF32, cuDNN autotuning), and logs where and on what the run goes."""
     prepare_out_dir(cfg)
     setup_logging(cfg.OUT_DIR, cfg.LOG_DEST, distributed.is_main())
+    if distributed.is_main():
+        attach_stats_sinks(cfg.OUT_DIR, tensorboard=cfg.LOG_TENSORBOARD)
     apply_backend_flags(cfg)
     logger.info(
         "output folder %s; device %s; %d process(es)",
