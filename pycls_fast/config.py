@@ -477,6 +477,12 @@ _key("TRAIN.SPLIT", "train")
 # Total mini-batch size, over all processes
 _key("TRAIN.BATCH_SIZE", 128, gt=0)
 
+# pycls_fast: gradient accumulation: each process's share of TRAIN.BATCH_SIZE runs
+# forward and backward in this many micro-batches before the one optimizer step
+# (gradients synchronized on the last only). TRAIN.BATCH_SIZE stays the batch of one
+# step, so learning-rate rules, schedules and logs keep their meaning
+_key("TRAIN.ACCUM_STEPS", 1, gt=0)
+
 # Training image size (random-resized-crop output; the model's input size)
 _key("TRAIN.IM_SIZE", 224, gt=0)
 
@@ -1124,6 +1130,12 @@ def check_cfg(cfg: CfgNode) -> None:
                 f"{key} ({_get(cfg, key)}) must be divisible by NUM_GPUS "
                 f"({cfg.NUM_GPUS})"
             )
+    per_rank = cfg.TRAIN.BATCH_SIZE // cfg.NUM_GPUS
+    if per_rank % cfg.TRAIN.ACCUM_STEPS:
+        raise ConfigError(
+            f"TRAIN.ACCUM_STEPS ({cfg.TRAIN.ACCUM_STEPS}) must divide each process's "
+            f"batch (TRAIN.BATCH_SIZE / NUM_GPUS = {per_rank})"
+        )
 
 
 def check_launch(cfg: CfgNode) -> None:

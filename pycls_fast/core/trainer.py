@@ -223,18 +223,49 @@ def build_components(
     return parts
 
 
+def _gradient_sync(model, enabled):
+    """Turns the gradient reduction of DDP or FSDP2 on or off for the next backward
+    (DDP's `require_backward_grad_sync`, which its `no_sync()` sets; FSDP2's
+    `set_requires_gradient_sync`); a plain module has none."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+    elif hasattr(model, "require_backward_grad_sync"):
+        model.require_backward_grad_sync = enabled
+
+
+def _forward_backward(parts, inputs, targets, weight):
+    """Forward and backward of the batch in TRAIN.ACCUM_STEPS micro-batches, each
+    loss weighted by its share of the batch (their sum is the batch's mean loss;
+    the gradients add up to the whole batch's); returns (loss, logits) detached."""
+    steps = parts.cfg.TRAIN.ACCUM_STEPS
+    chunks = list(zip(inputs.chunk(steps), targets.chunk(steps)))
+    losses, all_logits = [], []
+    for i, (x, y) in enumerate(chunks):
+        last = i == len(chunks) - 1
+        if len(chunks) > 1:
+            _gradient_sync(parts.trained, last)  # one reduction, after the last
+        with autocast(parts.device.type, parts.mode, parts.half_dtype):
+            logits = parts.trained(x)
+        loss = F.cross_entropy(logits.float(), y) * (len(y) / len(targets))
+        parts.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
+        losses.append(loss.detach())
+        all_logits.append(logits.detach())
+    if len(chunks) == 1:
+        return losses[0], all_logits[0]
+    return torch.stack(losses).sum(), torch.cat(all_logits)
+
+
 def train_step(parts, inputs, targets, weight=1.0):
     """One optimization step; returns (loss tensor, logits, found_inf).
 
     inputs: (B, 3, H, W) in the input dtype; targets: (B,) int64 or (B, classes)
-    soft targets. `weight` scales the loss that is backpropagated (0: this rank only
-    takes part in the collectives). found_inf: fp16 loss scaling's overflow flag, a
-    0-d float32 device tensor (1.0: the step was skipped), else None. Nothing is read
-    back to the host (fp16 with a non-fused optimizer reads the flag)."""
-    with autocast(parts.device.type, parts.mode, parts.half_dtype):
-        logits = parts.trained(inputs)
-    loss = F.cross_entropy(logits.float(), targets)
-    parts.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
+    soft targets; with TRAIN.ACCUM_STEPS > 1 they are run in that many micro-batches
+    before the step. `weight` scales the loss that is backpropagated (0: this rank
+    only takes part in the collectives). found_inf: fp16 loss scaling's overflow
+    flag, a 0-d float32 device tensor (1.0: the step was skipped), else None.
+    Nothing is read back to the host (fp16 with a non-fused optimizer reads the
+    flag)."""
+    loss, logits = _forward_backward(parts, inputs, targets, weight)
     if parts.master is not None:
         parts.master.grads_to_master()
     found_inf = parts.scaler.unscale_(parts.opt_params)
@@ -245,7 +276,7 @@ def train_step(parts, inputs, targets, weight=1.0):
         parts.master.master_to_model()  # unchanged masters after a skipped step
     parts.scaler.update(found_inf)
     parts.optimizer.zero_grad(set_to_none=True)
-    return loss.detach(), logits.detach(), found_inf
+    return loss, logits, found_inf
 
 
 def _step_without_images(parts):
@@ -257,8 +288,10 @@ def _step_without_images(parts):
         return
     size = parts.cfg.TRAIN.IM_SIZE
     dtype = input_dtype(parts.mode, parts.half_dtype)
-    blank = torch.zeros(1, 3, size, size, dtype=dtype, device=parts.device)
-    label = torch.zeros(1, dtype=torch.long, device=parts.device)
+    # One image per micro-batch: as many forwards (FSDP's gathers) as the others.
+    n = parts.cfg.TRAIN.ACCUM_STEPS
+    blank = torch.zeros(n, 3, size, size, dtype=dtype, device=parts.device)
+    label = torch.zeros(n, dtype=torch.long, device=parts.device)
     train_step(parts, blank, label, weight=0.0)
 
 
