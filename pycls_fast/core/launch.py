@@ -135,9 +135,10 @@ def launch(fn: Callable[[CfgNode], Any], cfg: CfgNode) -> Any:
       RankFailedError names it;
     - otherwise: runs `fn(cfg)` here (with a one-process group when FSDP is enabled).
 
-    A launch key that asks for what is not implemented (LAUNCH.MODE 'slurm') is
-    refused first (ConfigError), and GPUs asked for (NUM_GPUS > 1 with 'nccl') on a
-    machine whose driver torch cannot use are a DeviceError, before any work starts.
+    (LAUNCH.MODE slurm / submitit_local jobs come here on each of their tasks, as
+    under torchrun: core/submit.py.) Launch keys that cannot be honoured are refused
+    first (ConfigError), and GPUs asked for (NUM_GPUS > 1 with 'nccl') on a machine
+    whose driver torch cannot use are a DeviceError, before any work starts.
     """
     check_launch(cfg)
     check_gpus_usable(cfg)
