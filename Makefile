@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup test test-unit test-integration test-slow slurm lint format demo sweep-demo \
 	check-node bench bench-dist bench-attention \
-	bench-loader bench-optimizer clean
+	bench-loader bench-index bench-optimizer clean
 
 setup: $(STAMP)
 
@@ -90,6 +90,10 @@ bench-attention: setup
 
 bench-loader: setup
 	$(PY) -m benchmarks.loader
+
+# The file index on an ImageNet-shaped tree of 1.28M hard links (docs/PERFORMANCE.md).
+bench-index: setup
+	$(PY) -m benchmarks.index
 
 bench-optimizer: setup
 	$(PY) -m benchmarks.optimizer

@@ -71,7 +71,11 @@ class BufferPool:
 
 
 class ImageDecoder:
-    """Decodes and transforms images of a FileIndex; picklable for worker processes."""
+    """Decodes and transforms images of an index; picklable for worker processes.
+
+    The index (a FileIndex or a ShardIndex) has `labels` (N,), `read(i)` -> bytes
+    and `path(i)` -> the name of image `i` in logs.
+    """
 
     def __init__(
         self,
@@ -99,14 +103,13 @@ class ImageDecoder:
         """Decodes image `i` into `out`, a writable uint8 (H, W, 3) array; returns
         None, or (path, error) if the file cannot be decoded (`out` is then left in
         any state)."""
-        path = self.index.path(i)
         rng = random.Random(image_seed(self.seed, epoch, i))
         image = None
         try:
-            image = EncodedImage.read(path)
+            image = EncodedImage(self.index.read(i))
             self.transform(image, rng, out)
         except DECODE_ERRORS as e:
-            return path, f"{type(e).__name__}: {e}"
+            return self.index.path(i), f"{type(e).__name__}: {e}"
         finally:
             if image is not None:
                 image.close()

@@ -212,6 +212,27 @@ def resize_crop_into(
     out[...] = np.frombuffer(rgb, dtype=np.uint8).reshape(height, width, 3)
 
 
+def read_file(path: str | os.PathLike[str]) -> bytes:
+    """Returns the bytes of the file at `path`.
+
+    Four system calls (open, fstat, read, close), where `open(path).read()` makes
+    nine (a second fstat, isatty, two lseeks, a second read to find the end): each
+    releases the GIL and lets another loader thread take it.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size)
+        while len(data) < size:  # Large files may come in several pieces.
+            more = os.read(fd, size - len(data))
+            if not more:
+                break  # Truncated meanwhile: decoding will say so.
+            data += more
+    finally:
+        os.close(fd)
+    return data
+
+
 class EncodedImage:
     """The bytes of one image file, its size read from the header, decoded on demand.
 
@@ -234,24 +255,8 @@ class EncodedImage:
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> "EncodedImage":
-        """Reads the whole file at `path`.
-
-        Four system calls (open, fstat, read, close), where `open(path).read()` makes
-        nine (a second fstat, isatty, two lseeks, a second read to find the end): each
-        releases the GIL and lets another loader thread take it.
-        """
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            data = os.read(fd, size)
-            while len(data) < size:  # Large files may come in several pieces.
-                more = os.read(fd, size - len(data))
-                if not more:
-                    break  # Truncated meanwhile: decoding will say so.
-                data += more
-        finally:
-            os.close(fd)
-        return cls(data)
+        """Reads the whole file at `path` (read_file)."""
+        return cls(read_file(path))
 
     @property
     def direct(self) -> bool:

@@ -2,9 +2,12 @@
 
 Classes are the sub-folders of the split, sorted by name (WordNet ids such as
 `n01440764` sort into ImageNet's usual label order); images are the files with an image
-extension, sorted by name. Paths are kept as one numpy bytes array (not a list of
-Python strings): 1.28M ImageNet paths take ~40 MB, and forked DataLoader workers do not
-copy them page by page as they touch reference counts.
+extension, sorted by name. File names are kept as one numpy bytes array relative to
+their class folder, and labels as int32, not as Python objects: 1.28M ImageNet images
+take ~25 MB of names and 5 MB of labels, and building the index holds at most one
+class folder's names as Python strings (peak memory: docs/PERFORMANCE.md, "File
+index"). Forked worker processes share the arrays' pages, as they touch no reference
+counts.
 """
 
 import hashlib
@@ -14,26 +17,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pycls_fast.datasets.decode import read_file
 from pycls_fast.errors import UserError
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
 
 # Bump when the cache file format changes.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
 class FileIndex:
-    """The images of one split.
+    """The images of one split of a folder dataset.
 
     `split_dir`: absolute path of the split folder; `classes`: sorted folder names;
-    `paths`: numpy bytes array (N,) of paths relative to `split_dir`;
-    `labels`: int64 array (N,), index into `classes`.
+    `names`: numpy bytes array (N,) of file names within their class folder;
+    `labels`: int32 array (N,), index into `classes`.
     """
 
     split_dir: str
     classes: list
-    paths: np.ndarray
+    names: np.ndarray
     labels: np.ndarray
 
     def __len__(self) -> int:
@@ -41,7 +45,12 @@ class FileIndex:
 
     def path(self, i: int) -> str:
         """Returns the absolute path (str) of image `i`."""
-        return os.path.join(self.split_dir, self.paths[i].decode())
+        name = os.fsdecode(self.names[i])
+        return os.path.join(self.split_dir, self.classes[self.labels[i]], name)
+
+    def read(self, i: int) -> bytes:
+        """Returns the bytes of image `i` (OSError when it cannot be read)."""
+        return read_file(self.path(i))
 
 
 def _class_dirs(split_dir):
@@ -58,31 +67,32 @@ def _class_dirs(split_dir):
     return classes
 
 
+def _image_names(class_dir):
+    """The sorted image file names of one class folder, as a numpy bytes array."""
+    with os.scandir(class_dir) as it:
+        # The extension test first: is_file() may cost a stat where the file system
+        # does not report entry types (some network file systems).
+        files = sorted(
+            e.name
+            for e in it
+            if e.name.lower().endswith(IMAGE_EXTENSIONS) and e.is_file()
+        )
+    if not files:
+        raise UserError(f"class folder has no images (.JPEG/.jpg/.png): {class_dir}")
+    # os.fsencode keeps non-ASCII names (numpy's own str -> bytes is ASCII only).
+    return np.array([os.fsencode(f) for f in files], dtype=np.bytes_)
+
+
 def scan_split(split_dir: str) -> FileIndex:
     """Scans `split_dir` and returns its FileIndex; UserError on a bad layout."""
     split_dir = os.path.abspath(split_dir)
     classes = _class_dirs(split_dir)
-    paths, labels = [], []
-    for label, name in enumerate(classes):
-        class_dir = os.path.join(split_dir, name)
-        with os.scandir(class_dir) as it:
-            files = sorted(
-                e.name
-                for e in it
-                if e.name.lower().endswith(IMAGE_EXTENSIONS) and e.is_file()
-            )
-        if not files:
-            raise UserError(
-                f"class folder has no images (.JPEG/.jpg/.png): {class_dir}"
-            )
-        paths.extend(f"{name}/{f}" for f in files)
-        labels.extend([label] * len(files))
-    return FileIndex(
-        split_dir,
-        classes,
-        np.array(paths, dtype=np.bytes_),
-        np.array(labels, dtype=np.int64),
-    )
+    per_class = [_image_names(os.path.join(split_dir, name)) for name in classes]
+    counts = [len(names) for names in per_class]
+    names = np.concatenate(per_class)
+    del per_class
+    labels = np.repeat(np.arange(len(classes), dtype=np.int32), counts)
+    return FileIndex(split_dir, classes, names, labels)
 
 
 def _fingerprint(split_dir, classes):
@@ -133,7 +143,7 @@ def load_index(root: str, split: str, cache_dir: str | None = None) -> FileIndex
             meta = json.loads(str(z["meta"]))
             if meta == {"version": _CACHE_VERSION, "fingerprint": fingerprint}:
                 return FileIndex(
-                    split_dir, list(z["classes"].astype(str)), z["paths"], z["labels"]
+                    split_dir, list(z["classes"].astype(str)), z["names"], z["labels"]
                 )
     except (OSError, KeyError, ValueError):
         pass  # No cache yet, or an unreadable one: rescan.
@@ -145,7 +155,7 @@ def load_index(root: str, split: str, cache_dir: str | None = None) -> FileIndex
         tmp,
         meta=np.array(meta),
         classes=np.array(index.classes),
-        paths=index.paths,
+        names=index.names,
         labels=index.labels,
     )
     os.replace(tmp, path)

@@ -1,6 +1,7 @@
 """Folder index: layout, labels, bad layouts, cache."""
 
 import os
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -30,9 +31,10 @@ def _layout(root):
 def test_classes_sorted_and_labels(tmp_path):
     index = scan_split(_layout(str(tmp_path)) + "/train")
     assert index.classes == ["n01", "n02", "n03"]
-    rel = [p.decode() for p in index.paths]
+    split = os.path.join(str(tmp_path), "train")
+    rel = [os.path.relpath(index.path(i), split) for i in range(len(index))]
     assert rel == ["n01/c.png", "n01/d.jpeg", "n02/a.jpg", "n02/b.JPEG", "n03/e.PNG"]
-    assert index.labels.dtype == np.int64
+    assert index.names.dtype.kind == "S" and index.labels.dtype == np.int32
     assert index.labels.tolist() == [0, 0, 1, 1, 2]
     assert index.path(2) == os.path.join(str(tmp_path), "train", "n02", "a.jpg")
 
@@ -90,3 +92,31 @@ def test_cache_reused_and_invalidated(tmp_path):
     os.utime(f"{root}/train/n03", ns=(1, 1))
     again = load_index(root, "train", cache)
     assert again.labels.tolist() == first.labels.tolist() + [2]
+
+
+def test_non_ascii_file_names(tmp_path):
+    _touch_image(f"{tmp_path}/train/n01/café_1.jpg", fmt="JPEG")
+    index = load_index(str(tmp_path), "train", str(tmp_path / "cache"))
+    assert index.path(0) == os.path.join(str(tmp_path), "train", "n01", "café_1.jpg")
+    assert index.read(0)[:2] == b"\xff\xd8"  # a JPEG's start-of-image marker
+
+
+def test_scan_memory_per_image_is_small(tmp_path):
+    # The scaled version of benchmarks/index.py's 1.28M-file tree: the peak of what
+    # the scan allocates per image must stay within the 100 MB / 1.28M images budget
+    # (docs/PERFORMANCE.md, "File index"); Python strings per path would take ~130.
+    classes, per_class = 20, 500
+    for c in range(classes):
+        d = tmp_path / "train" / f"n{c:08d}"
+        d.mkdir(parents=True)
+        for k in range(per_class):
+            (d / f"n{c:08d}_{k}.JPEG").touch()
+    tracemalloc.start()
+    try:
+        index = scan_split(str(tmp_path / "train"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(index) == classes * per_class
+    assert index.labels[per_class] == 1 and index.labels[-1] == classes - 1
+    assert peak / len(index) < 100e6 / 1.28e6, peak / len(index)
