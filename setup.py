@@ -29,6 +29,7 @@ setup(
         "tqdm>=4.60",
         "matplotlib>=3.7",
         "submitit>=1.5",
+        "fsspec>=2023.1",
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2", "ruff>=0.6", "scikit-learn>=1.3"],

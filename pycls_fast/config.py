@@ -572,8 +572,18 @@ _key("TEST.USE_EMA", False)
 # pycls_fast: where the images are.
 _C.DATA = CfgNode()
 
-# Dataset root: one folder per split (TRAIN.SPLIT, TEST.SPLIT), one folder per class
+# Dataset root: one folder per split (TRAIN.SPLIT, TEST.SPLIT), one folder per class;
+# a local path or an fsspec URL (s3://bucket/imagenet, with the user's s3fs installed)
 _key("DATA.PATH", "")
+
+# pycls_fast: 'folder' (<split>/<class>/<image> files) or 'shards' (tar shards and their
+# index, written by tools/pack_dataset.py: no open or stat per image)
+_key("DATA.FORMAT", "folder", choices=["folder", "shards"])
+
+# pycls_fast: DATA.FORMAT shards: images shuffled together within each window of this
+# many consecutive images of the epoch's shard order (spanning a few shards), the
+# shards themselves in a permuted order
+_key("DATA.SHUFFLE_BUFFER", 16384, gt=0)
 
 # pycls_fast: random-resized-crop area range, as fractions of the image (timm's scale)
 _key("DATA.CROP_SCALE", [0.08, 1.0], check=_crop_range, rule="[min, max] in (0, 1]")

@@ -11,6 +11,9 @@ cutmix and label smoothing run on the device: pycls_fast/datasets/device.py.
             ...
         stats = loader.stats()          # data_wait_frac, img_per_s, bad_images, ...
 
+DATA.FORMAT 'folder' reads `<split>/<class>/<image>` files (datasets/index.py),
+'shards' tar shards (datasets/shards.py); both feed the same decoder and engines.
+
 `loader.with_plan(batches, mode)` is the same loader on a fixed list of batches (every
 epoch) in another DATA_LOADER.MODE: benchmarks and tests compare modes with it.
 """
@@ -27,10 +30,12 @@ from pycls_fast.datasets import sharding
 from pycls_fast.datasets.batch import ImageDecoder
 from pycls_fast.datasets.index import check_split, load_index
 from pycls_fast.datasets.processes import iterate_processes
+from pycls_fast.datasets.shards import check_shard_split, load_shard_index
 from pycls_fast.datasets.spdl_pipeline import iterate_spdl
 from pycls_fast.datasets.threaded import iterate_threaded
 from pycls_fast.datasets.transforms import build_transform
 from pycls_fast.errors import BadImagesError, ConfigError, UserError
+from pycls_fast.storage import is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -187,9 +192,23 @@ class ImageLoader:
         return dict(self._stats)
 
 
+def _check_format(cfg):
+    if cfg.DATA.FORMAT == "folder" and is_remote(cfg.DATA.PATH):
+        raise UserError(
+            f"DATA.PATH {cfg.DATA.PATH} is remote: read it as DATA.FORMAT shards "
+            "(pack it with tools/pack_dataset.py); folders of single images are read "
+            "from local or network file systems only"
+        )
+
+
 def _index(cfg, split):
-    cache = os.path.join(cfg.OUT_DIR, "data_index") if cfg.DATA.INDEX_CACHE else None
-    index = load_index(cfg.DATA.PATH, split, cache)
+    _check_format(cfg)
+    if cfg.DATA.FORMAT == "shards":
+        index = load_shard_index(cfg.DATA.PATH, split)
+    else:
+        use_cache = cfg.DATA.INDEX_CACHE and not is_remote(cfg.OUT_DIR)
+        cache = os.path.join(cfg.OUT_DIR, "data_index") if use_cache else None
+        index = load_index(cfg.DATA.PATH, split, cache)
     if len(index.classes) > cfg.MODEL.NUM_CLASSES:
         raise ConfigError(
             f"MODEL.NUM_CLASSES ({cfg.MODEL.NUM_CLASSES}) is smaller than the "
@@ -230,9 +249,11 @@ def _loader(cfg, index, train, plan):
 def check_data(cfg, splits: Sequence[str]) -> None:
     """Checks that DATA.PATH holds the split folders named by `splits` ('train',
     'test'), before any process starts; UserError naming what is missing."""
+    _check_format(cfg)
+    check = check_shard_split if cfg.DATA.FORMAT == "shards" else check_split
     for which in splits:
         split = cfg.TRAIN.SPLIT if which == "train" else cfg.TEST.SPLIT
-        check_split(cfg.DATA.PATH, split)
+        check(cfg.DATA.PATH, split)
 
 
 def construct_train_loader(cfg, rank=None, world_size=None):
@@ -252,6 +273,11 @@ def construct_train_loader(cfg, rank=None, world_size=None):
         )
 
     def plan(epoch):
+        if cfg.DATA.FORMAT == "shards":
+            order = sharding.shard_order(
+                index.counts, cfg.RNG_SEED, epoch, cfg.DATA.SHUFFLE_BUFFER
+            )
+            return sharding.split_order(order, batch_size, rank, world_size)
         return sharding.train_batches(
             len(index), batch_size, cfg.RNG_SEED, epoch, rank, world_size
         )
@@ -270,7 +296,9 @@ def construct_test_loader(cfg, rank=None, world_size=None):
     rank, world_size = sharding.rank_and_world_size(rank, world_size)
     index = _index(cfg, cfg.TEST.SPLIT)
     train_dir = os.path.join(cfg.DATA.PATH, cfg.TRAIN.SPLIT)
-    if cfg.TRAIN.SPLIT != cfg.TEST.SPLIT and os.path.isdir(train_dir):
+    if cfg.DATA.FORMAT == "shards":
+        pass  # pack_dataset.py writes every split with the classes of its train split.
+    elif cfg.TRAIN.SPLIT != cfg.TEST.SPLIT and os.path.isdir(train_dir):
         train_classes = sorted(
             e.name for e in os.scandir(train_dir) if e.is_dir() and e.name[0] != "."
         )

@@ -13,7 +13,7 @@ PACKAGE = ROOT / "pycls_fast"
 # Lowest first; a module may import its own layer and the layers below it. The
 # longest matching prefix names a module's layer. Keep in step with ARCHITECTURE.md.
 LAYERS = [
-    ["pycls_fast.errors"],
+    ["pycls_fast.errors", "pycls_fast.storage"],
     ["pycls_fast.config", "pycls_fast.config_doc"],
     ["pycls_fast.models"],
     ["pycls_fast.datasets"],
