@@ -32,7 +32,16 @@ setup(
         "fsspec>=2023.1",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout>=2", "ruff>=0.6", "scikit-learn>=1.3"],
+        # s3fs and moto's server: the remote-storage tests run against a real
+        # S3-compatible server on 127.0.0.1.
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout>=2",
+            "ruff>=0.6",
+            "scikit-learn>=1.3",
+            "s3fs>=2023.1",
+            "moto[server]>=5",
+        ],
         # LOG_TENSORBOARD: event files through torch.utils.tensorboard.
         "tensorboard": ["tensorboard>=2.14"],
     },

@@ -781,8 +781,14 @@ _key("NUM_GPUS", 1, gt=0)
 # ceil(NUM_GPUS / MAX_GPUS_PER_NODE) nodes, one task per GPU
 _key("MAX_GPUS_PER_NODE", 8, gt=0)
 
-# Output directory (logs, checkpoints, config.yaml)
+# Output directory (logs, checkpoints, config.yaml); a local path or an fsspec URL
+# (s3://bucket/runs/vit, with the user's s3fs installed), worked on through OUT_MIRROR
 _key("OUT_DIR", "/tmp/pycls_fast")
+
+# pycls_fast: local mirror folder of a remote OUT_DIR (training writes there, and the
+# checkpoints and logs are uploaded from there); '' = a folder under the system's
+# temporary folder named by the URL's hash
+_key("OUT_MIRROR", "")
 
 # Config destination (in OUT_DIR)
 _key("CFG_DEST", "config.yaml")

@@ -27,6 +27,7 @@ from yacs.config import CfgNode
 from pycls_fast.config import check_launch, with_overrides
 from pycls_fast.core.launch import launch
 from pycls_fast.errors import Stopped, UserError
+from pycls_fast.storage import is_remote
 
 # submitit's LocalExecutor reruns a job whose task exits with this status.
 LOCAL_REQUEUE_EXIT = 144
@@ -154,6 +155,12 @@ class ClusterJob:
 def _executor(cfg: CfgNode):
     import submitit
 
+    if is_remote(cfg.OUT_DIR):
+        raise UserError(
+            f"LAUNCH.MODE {cfg.LAUNCH.MODE}: OUT_DIR {cfg.OUT_DIR} is remote, but "
+            "submitit keeps its job files in OUT_DIR/submitit on a shared file "
+            "system; use a shared folder as OUT_DIR, or LAUNCH.MODE local"
+        )
     folder = os.path.join(cfg.OUT_DIR, "submitit")
     cluster = "slurm" if cfg.LAUNCH.MODE == "slurm" else "local"
     if cluster == "slurm" and not _have("sbatch"):

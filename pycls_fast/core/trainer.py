@@ -25,6 +25,7 @@ from yacs.config import CfgNode
 from pycls_fast.config import dump_cfg, with_overrides
 from pycls_fast.core import distributed
 from pycls_fast.core.checkpoint import CheckpointManager, files
+from pycls_fast.core.checkpoint.remote import RemoteOut, mirror_dir
 from pycls_fast.core.checkpoint.weights import (
     LoadedWeights,
     checkpoint_channel_order,
@@ -64,6 +65,7 @@ from pycls_fast.errors import (
     UserError,
 )
 from pycls_fast.models import build_model
+from pycls_fast.storage import is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -473,15 +475,28 @@ def train_model(cfg):
     Run it on every rank of a job (`distributed.launch` starts them). One training
     per OUT_DIR at a time. SIGTERM / SIGINT stop it at the next iteration boundary
     with a checkpoint (raising `Stopped`); rerunning resumes from it."""
+    remote = None
+    if is_remote(cfg.OUT_DIR):
+        # Training works in a local mirror; checkpoints and logs go up from there.
+        local = mirror_dir(cfg.OUT_DIR, cfg.OUT_MIRROR)
+        remote = RemoteOut(cfg.OUT_DIR, local, cfg.TRAIN.CHECKPOINT_KEEP)
+        if distributed.local_rank() == 0:
+            os.makedirs(local, exist_ok=True)
+            with RunLock(local):  # two runs on one node do not fill one mirror
+                remote.pull()
+        distributed.barrier()
+        cfg = with_overrides(cfg, {"OUT_DIR": local})
     prepare_out_dir(cfg)
     distributed.check_same_config(cfg)
     lock = lock_out_dir(cfg)
     try:
         with StopRequest() as stop:
-            return _train(cfg, stop)
+            return _train(cfg, stop, remote)
     finally:
         if lock is not None:
             lock.release()
+        if remote is not None and distributed.is_main():
+            remote.push()  # the logs of a run that ends, stops or fails
 
 
 def resolve_channel_order(cfg: CfgNode, weights: str) -> CfgNode:
@@ -496,8 +511,28 @@ def resolve_channel_order(cfg: CfgNode, weights: str) -> CfgNode:
     return with_overrides(cfg, {"DATA.CHANNEL_ORDER": order})
 
 
-def _train(cfg, stop):
+def _upload_checkpoint(cfg, remote, path):
+    """Uploads the checkpoint just written at `path` (rank 0's; None elsewhere): a
+    sharded one by every rank, its own part, then completed by rank 0."""
+    if fsdp_enabled(cfg):
+        path = distributed.broadcast_object(path)
+        remote.push_checkpoint(path, distributed.rank(), distributed.is_main())
+        distributed.barrier()
+        if distributed.is_main():
+            remote.finish_checkpoint(path)
+    elif distributed.is_main():
+        remote.push_checkpoint(path)
+
+
+def _train(cfg, stop, remote=None):
     setup_run(cfg)
+    if remote is not None:
+        logger.info(
+            "OUT_DIR %s through the local mirror %s; fetched checkpoints: %s",
+            remote.url,
+            remote.local,
+            ", ".join(remote.fetched) or "none",
+        )
     cfg = resolve_channel_order(cfg, cfg.TRAIN.WEIGHTS)
     seed_everything(cfg.RNG_SEED)
     parts = build_components(cfg)
@@ -522,7 +557,13 @@ def _train(cfg, stop):
         # position (E, 0) is the end of epoch E - 1.
         check_finite(parts, parts.train_meter, epoch if iteration else epoch - 1)
 
-    manager = CheckpointManager(parts, before_save=before_save)
+    after_save = None
+    if remote is not None:
+
+        def after_save(path):
+            _upload_checkpoint(cfg, remote, path)
+
+    manager = CheckpointManager(parts, before_save=before_save, after_save=after_save)
     start_epoch, start_iter = manager.restore()
     if distributed.is_main():
         # Only now: a run that fails to start leaves the previous config.yaml as it was.
@@ -560,6 +601,8 @@ def _train(cfg, stop):
                     parts, parts.ema, epoch, "test_ema_epoch"
                 )
         logger.info("epoch %d done in %.1f s", epoch + 1, time.perf_counter() - t0)
+        if remote is not None and distributed.is_main():
+            remote.push()
     return results
 
 

@@ -183,11 +183,14 @@ def save(parts, epoch: int, iteration: int):
 class CheckpointManager:
     """Saves and restores the checkpoints of one run (every rank makes one)."""
 
-    def __init__(self, parts, before_save=None):
+    def __init__(self, parts, before_save=None, after_save=None):
         """`before_save(epoch, iteration)`: called before the checkpoint of that
-        position is written (it may raise to prevent it)."""
+        position is written (it may raise to prevent it); `after_save(path)`: on
+        every rank once it is written and retention applied (`path` None on ranks
+        other than 0)."""
         self.parts = parts
         self.before_save = before_save
+        self.after_save = after_save
         self.cfg = parts.cfg
         self.out_dir = parts.cfg.OUT_DIR
         train = parts.cfg.TRAIN
@@ -222,6 +225,8 @@ class CheckpointManager:
             self.best = None
             retention.forget_best(self.out_dir)
         self._retain()
+        if self.after_save is not None:
+            self.after_save(path)
         return path
 
     def after_iteration(self, epoch: int, done: int, iters: int, signum: int = 0):

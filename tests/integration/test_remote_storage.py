@@ -1,0 +1,151 @@
+"""Remote DATA.PATH and OUT_DIR against a real S3-compatible server (moto's server
+mode on 127.0.0.1, started here): pack shards to it, train from them, checkpoint to
+it, kill, resume from it in a fresh mirror, and end as the uninterrupted run does."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pycls_fast.datasets.synthetic import make_image_folder
+from tests.helpers import ROOT, TINY
+
+pytest.importorskip("moto.server", reason="moto[server] is a test dependency")
+s3fs = pytest.importorskip("s3fs", reason="s3fs is a test dependency")
+
+BUCKET = "pycls-fast-test"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """The server's environment (endpoint and credentials), with a fresh bucket."""
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")  # noqa: SIM115 - the server writes it until the fixture ends
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("moto server did not start") from None
+            time.sleep(0.2)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        fs = s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL"])
+        fs.mkdir(BUCKET)
+        yield {**os.environ, **env}
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.terminate()
+        server.wait(timeout=10)
+        log.close()
+
+
+def _fs():
+    return s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+
+
+def _tool(name, *args, env, **kw):
+    cmd = [sys.executable, os.path.join(ROOT, "tools", name), *args]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, **kw,
+    )  # fmt: skip
+
+
+def _train_args(out_dir, mirror):
+    return [
+        "--cfg", os.path.join(ROOT, "configs/examples/vit_digits.yaml"), *TINY,
+        "MODEL.NUM_CLASSES", "4", "DATA.PATH", f"s3://{BUCKET}/data",
+        "DATA.FORMAT", "shards", "DATA.SHUFFLE_BUFFER", "16", "OUT_DIR", out_dir,
+        "OUT_MIRROR", mirror, "OPTIM.MAX_EPOCH", "4", "TRAIN.BATCH_SIZE", "8",
+        "TEST.BATCH_SIZE", "16", "TRAIN.CHECKPOINT_PERIOD", "1",
+        "TRAIN.CHECKPOINT_KEEP", "2", "DATA_LOADER.NUM_WORKERS", "2",
+        "TRAIN.MIXED_PRECISION", "False", "NUM_GPUS", "1", "LOG_PERIOD", "2",
+    ]  # fmt: skip
+
+
+def _final_weights(path):
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    return state["model_state"]
+
+
+def test_train_from_and_checkpoint_to_s3_kill_and_resume(s3, tmp_path):
+    folder = make_image_folder(
+        str(tmp_path / "folder"), num_classes=4, images_per_class=16, size=(48, 40)
+    )
+    pack = _tool("pack_dataset.py", "--data", folder, "--out", f"s3://{BUCKET}/data",
+                 "--shard-mb", "0.01", env=s3)  # fmt: skip
+    out, _ = pack.communicate(timeout=120)
+    assert pack.returncode == 0, out
+    fs = _fs()
+    assert fs.exists(f"{BUCKET}/data/train/shards.json")
+    assert len(fs.glob(f"{BUCKET}/data/train/train-*.tar")) > 3
+
+    # The reference: the same run, uninterrupted, with a local OUT_DIR.
+    ref = _tool("train_net.py", *_train_args(str(tmp_path / "ref"), ""), env=s3)
+    out, _ = ref.communicate(timeout=300)
+    assert ref.returncode == 0, out[-3000:]
+
+    run = f"s3://{BUCKET}/run"
+    first = _tool("train_net.py", *_train_args(run, str(tmp_path / "m1")), env=s3)
+    ckpt = f"{BUCKET}/run/checkpoints/model_epoch_0001.pyth"
+    deadline = time.monotonic() + 240
+    while first.poll() is None and time.monotonic() < deadline:
+        fs.invalidate_cache()
+        if fs.exists(ckpt):
+            break
+        time.sleep(0.1)
+    first.send_signal(signal.SIGKILL)
+    first.communicate(timeout=60)
+    fs.invalidate_cache()
+    assert fs.exists(ckpt)
+
+    # A fresh mirror (another node, say): everything comes from the store.
+    second = _tool("train_net.py", *_train_args(run, str(tmp_path / "m2")), env=s3)
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, out[-3000:]
+    assert "fetched checkpoints: model_epoch_000" in out
+    assert "resumed from" in out
+
+    fs.invalidate_cache()
+    names = sorted(os.path.basename(p) for p in fs.ls(f"{BUCKET}/run/checkpoints"))
+    # TRAIN.CHECKPOINT_KEEP 2 applies on the store too.
+    assert names == ["model_epoch_0003.pyth", "model_epoch_0004.pyth"]
+    log = fs.cat_file(f"{BUCKET}/run/stdout.log").decode()
+    assert log.count("output folder") == 2  # the killed run's lines were kept
+    local = tmp_path / "final.pyth"
+    fs.get_file(f"{BUCKET}/run/checkpoints/model_epoch_0004.pyth", str(local))
+    got = _final_weights(local)
+    want = _final_weights(tmp_path / "ref" / "checkpoints" / "model_epoch_0004.pyth")
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
