@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup test test-unit test-integration test-slow slurm lint format demo sweep-demo \
 	check-node bench bench-dist bench-attention \
-	bench-loader bench-index bench-optimizer clean
+	bench-loader bench-index bench-shards bench-loader-scaling \
+	bench-optimizer clean
 
 setup: $(STAMP)
 
@@ -90,6 +91,14 @@ bench-attention: setup
 
 bench-loader: setup
 	$(PY) -m benchmarks.loader
+
+# Tar shards vs a folder of the same images, and the file system calls of each.
+bench-shards: setup
+	$(PY) -m benchmarks.shards
+
+# Per-image CPU and GIL-held time; images/s projected for many cores; cores per GPU.
+bench-loader-scaling: setup
+	$(PY) -m benchmarks.loader_scaling
 
 # The file index on an ImageNet-shaped tree of 1.28M hard links (docs/PERFORMANCE.md).
 bench-index: setup

@@ -1,0 +1,40 @@
+"""benchmarks/shards.py and benchmarks/loader_scaling.py at a small scale: the
+figures' structure and the counts that do not depend on timing."""
+
+import json
+
+from tests.helpers import run_benchmark
+
+
+def test_shards_benchmark_counts_calls(tmp_path):
+    out = tmp_path / "shards.json"
+    result = run_benchmark("shards",
+        "--root", str(tmp_path / "data"), "--images", "256", "--batch-size", "32",
+        "--workers", "2", "--shard-mb", "4", "--rounds", "1", "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["images"] == 256
+    folder, shards = figures["calls"]["folder_epoch"], figures["calls"]["shards_epoch"]
+    # A folder: an open, an fstat and a read per image. Shards: a positional read per
+    # image, an open per shard, no stat.
+    assert folder["open"] == folder["fstat"] == folder["read"] == 256
+    num_shards = len(list((tmp_path / "data").glob("shards_4mb/train/*.tar")))
+    assert shards["pread"] == 256 and shards["open"] == num_shards > 1
+    assert shards["stat"] + shards["fstat"] == 0
+    assert figures["shards_img_per_s"] > 0 and figures["folder_img_per_s"] > 0
+
+
+def test_loader_scaling_benchmark(tmp_path):
+    out = tmp_path / "scaling.json"
+    result = run_benchmark("loader_scaling",
+        "--root", str(tmp_path / "data"), "--images", "64", "--batch-size", "16",
+        "--im-size", "64", "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert 0 < figures["gil_ms"] < figures["cpu_ms"]
+    assert figures["released_ms"] > 0
+    assert {row["model"] for row in figures["gpu_demand"]} == {"ViT-B-16", "ViT-H-16"}
+    # Projected images/s with one thread is 1 / CPU time per image.
+    assert abs(figures["checks"]["1"]["projected"] - 1e3 / figures["cpu_ms"]) < 1e-6
