@@ -16,7 +16,9 @@ the measurement starts):
   /proc/self/clear_refs before the measurement) minus its resident size before it;
 - first step: `tools/train_net.py` on the tree (a tiny ViT, one process), from the
   command's start to its first training log line (cold index, then cached).
-The 14M projection scales the added memory by image count (the index is linear in N).
+The 14M projection scales the added memory by image count (the index is linear in N);
+the epoch plans (a folder's permutation, the shards' order) are measured at 14.2M
+images directly, for rank 0 of 8.
 """
 
 import argparse
@@ -114,6 +116,50 @@ print(json.dumps({"seconds": seconds, "added_peak_bytes": status("VmHWM") - befo
 """
 
 
+# The epoch plans at ImageNet-21k size (no files needed): a folder's permutation and
+# the shards' order, each cut for rank 0 of 8.
+_PLAN_CHILD = r"""
+import json, time
+import numpy as np
+from pycls_fast.datasets import sharding
+
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+
+n, out = 14_197_122, {}
+counts = np.full(6000, n // 6000)
+counts[: n % 6000] += 1
+for name, plan in (
+    ("folder", lambda: sharding.train_batches(n, 32, 0, 3, 0, 8)),
+    ("shards", lambda: sharding.split_order(
+        sharding.shard_order(counts, 0, 3, 16384), 32, 0, 8)),
+):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    t0 = time.perf_counter()
+    batches = plan()
+    out[name] = {"seconds": time.perf_counter() - t0,
+                 "added_peak_mb": (status("VmHWM") - before) / 2**20,
+                 "batches": len(batches)}
+    del batches
+print(json.dumps(out))
+"""
+
+
+def measure_plans() -> dict:
+    """Time and added peak memory of the epoch plans at 14.2M images."""
+    out = subprocess.run(
+        [sys.executable, "-c", _PLAN_CHILD], capture_output=True, text=True, cwd=ROOT
+    )
+    if out.returncode:
+        raise RuntimeError(f"plan measurement failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def measure_construction(opts: list[str]) -> dict:
     """Runs _CHILD with config `opts`; returns its figures."""
     out = subprocess.run(
@@ -179,6 +225,9 @@ def main() -> None:
     result["projected_14m_added_peak_mb"] = (
         result["cold_added_peak_mb"] * 14_197_122 / result["images"]
     )
+    for fmt, figures in measure_plans().items():
+        result[f"plan_14m_{fmt}_s"] = figures["seconds"]
+        result[f"plan_14m_{fmt}_added_peak_mb"] = figures["added_peak_mb"]
     if not args.no_train_net:
         run_opts = TINY + base
         out = os.path.join(args.out_dir, "train")

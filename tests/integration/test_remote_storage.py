@@ -149,3 +149,41 @@ def test_train_from_and_checkpoint_to_s3_kill_and_resume(s3, tmp_path):
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key
+
+
+def test_sharded_checkpoints_of_two_fsdp_ranks_on_s3(s3, tmp_path):
+    folder = make_image_folder(
+        str(tmp_path / "folder"), num_classes=4, images_per_class=8, size=(48, 40)
+    )
+    data = f"s3://{BUCKET}/fsdp_data"
+    pack = _tool("pack_dataset.py", "--data", folder, "--out", data,
+                 "--shard-mb", "0.01", env=s3)  # fmt: skip
+    out, _ = pack.communicate(timeout=120)
+    assert pack.returncode == 0, out
+    run = f"s3://{BUCKET}/fsdp_run"
+
+    def train(mirror, epochs):
+        args = _train_args(run, str(tmp_path / mirror))
+        args[args.index("OPTIM.MAX_EPOCH") + 1] = epochs
+        args[args.index("NUM_GPUS") + 1] = "2"
+        args[args.index("DATA.PATH") + 1] = data
+        proc = _tool("train_net.py", *args, "FSDP.ENABLED", "True", env=s3)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+        return out
+
+    train("m1", "2")
+    fs = _fs()
+    fs.invalidate_cache()
+    parts = sorted(
+        os.path.basename(p)
+        for p in fs.find(f"{BUCKET}/fsdp_run/checkpoints/model_epoch_0002.dcp")
+    )
+    # Each rank uploaded its own part; .metadata (rank 0's, last) completes it.
+    assert ".metadata" in parts
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(parts)
+    out = train("m2", "3")  # a fresh mirror: the sharded checkpoint comes back
+    assert "fetched checkpoints: model_epoch_0002.dcp" in out
+    assert "resumed from" in out
+    fs.invalidate_cache()
+    assert fs.exists(f"{BUCKET}/fsdp_run/checkpoints/model_epoch_0003.dcp/.metadata")
