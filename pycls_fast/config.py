@@ -545,6 +545,26 @@ _key("TRAIN.PCA_STD", 0.1, ge=0)
 # Data augmentation ('', 'AutoAugment', 'RandAugment_N2_M0.5', ...)
 _key("TRAIN.AUGMENT", "")
 
+# pycls_fast: DeiT III's 3-Augment: per image one of grayscale, solarization, Gaussian
+# blur (after the crop and flip)
+_key("TRAIN.THREE_AUGMENT", False)
+
+# pycls_fast: colour jitter strength x: brightness, contrast and saturation factors
+# uniform in [1 - x, 1 + x], in a random order (torchvision's ColorJitter(x, x, x));
+# 0 = off (DeiT III uses 0.3)
+_key("TRAIN.COLOR_JITTER", 0.0, ge=0)
+
+# pycls_fast: random erasing probability per train image (timm's RandomErasing on the
+# normalized image, on the device, before mixup); 0 = off (DeiT uses 0.25)
+_key("TRAIN.RANDOM_ERASE", 0.0, ge=0, le=1)
+
+# pycls_fast: random erasing fill: 'pixel' (per-pixel normal noise), 'rand' (one
+# normal colour per box) or 'const' (zeros, the mean colour)
+_key("TRAIN.RANDOM_ERASE_MODE", "pixel", choices=["pixel", "rand", "const"])
+
+# pycls_fast: random erasing boxes per image: 1 to this many (the area is shared)
+_key("TRAIN.RANDOM_ERASE_COUNT", 1, gt=0)
+
 
 # --------------------------------- Testing options ---------------------------------- #
 _C.TEST = CfgNode()
@@ -587,6 +607,10 @@ _key("DATA.SHUFFLE_BUFFER", 16384, gt=0)
 
 # pycls_fast: random-resized-crop area range, as fractions of the image (timm's scale)
 _key("DATA.CROP_SCALE", [0.08, 1.0], check=_crop_range, rule="[min, max] in (0, 1]")
+
+# pycls_fast: train crop: 'random_resized' (area DATA.CROP_SCALE, aspect 3/4-4/3) or
+# 'simple_random' (DeiT III's SRC: shorter side resized, 4-pixel reflect pad, crop)
+_key("DATA.TRAIN_CROP", "random_resized", choices=["random_resized", "simple_random"])
 
 # pycls_fast: probability of a horizontal flip of a train image
 _key("DATA.HFLIP", 0.5, ge=0, le=1)

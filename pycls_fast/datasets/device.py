@@ -8,11 +8,12 @@ in the training dtype:
         inputs, targets = prepare(images, labels)   # float (B, 3, H, W), targets
 
 The pieces are plain functions too: `to_device`, `normalize`, `pca_lighting_offsets`,
-`one_hot`, `mix_batch`.
+`erase_boxes`, `erase_batch`, `one_hot`, `mix_batch`.
 """
 
 import functools
 import math
+import random
 from collections.abc import Sequence
 
 import numpy as np
@@ -109,6 +110,73 @@ def _eigen(device):
     return vecs, torch.tensor(EIG_VALS, dtype=torch.float32, device=device)
 
 
+def erase_boxes(
+    rng: random.Random,
+    height: int,
+    width: int,
+    probability: float,
+    max_count: int = 1,
+    min_area: float = 0.02,
+    max_area: float = 1 / 3,
+    min_aspect: float = 0.3,
+) -> list[tuple[int, int, int, int]]:
+    """The (top, left, h, w) boxes that timm's RandomErasing erases in one image: the
+    same draws, in the same order, from `rng` (a `random.Random`) instead of the
+    global `random`, so the same seed gives the same boxes as timm."""
+    if rng.random() > probability:
+        return []
+    area = height * width
+    count = 1 if max_count == 1 else rng.randint(1, max_count)
+    log_aspect = (math.log(min_aspect), math.log(1 / min_aspect))
+    boxes = []
+    for _ in range(count):
+        for _ in range(10):
+            target = rng.uniform(min_area, max_area) * area / count
+            aspect = math.exp(rng.uniform(*log_aspect))
+            h = int(round(math.sqrt(target * aspect)))
+            w = int(round(math.sqrt(target / aspect)))
+            if w < width and h < height:
+                top = rng.randint(0, height - h)
+                left = rng.randint(0, width - w)
+                boxes.append((top, left, h, w))
+                break
+    return boxes
+
+
+def erase_batch(
+    inputs: torch.Tensor,
+    boxes: torch.Tensor,
+    mode: str = "pixel",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Returns `inputs` (float (B, C, H, W), normalized) with the boxes erased.
+
+    `boxes`: int64 (B, K, 4) of (top, left, h, w), h = 0 for no box, on inputs' device.
+    Fill: 'pixel' per-pixel N(0, 1) noise, 'rand' one N(0, 1) colour per box, 'const'
+    zeros (timm's modes). Whole-batch operations: no per-image kernel launches.
+    """
+    b, c, height, width = inputs.shape
+    ys = torch.arange(height, device=inputs.device).view(1, 1, height, 1)
+    xs = torch.arange(width, device=inputs.device).view(1, 1, 1, width)
+    top, left, h, w = (v.view(b, -1, 1, 1) for v in boxes.unbind(-1))
+    masks = (ys >= top) & (ys < top + h) & (xs >= left) & (xs < left + w)  # (B,K,H,W)
+    if mode == "rand":
+        colors = torch.randn(
+            b, masks.shape[1], c, 1, 1, generator=generator, device=inputs.device
+        ).to(inputs.dtype)
+        out = inputs
+        for k in range(masks.shape[1]):
+            out = torch.where(masks[:, k : k + 1], colors[:, k], out)
+        return out
+    mask = masks.any(1, keepdim=True)
+    if mode == "const":
+        return inputs.masked_fill(mask, 0.0)
+    noise = torch.randn(
+        inputs.shape, generator=generator, device=inputs.device, dtype=inputs.dtype
+    )
+    return torch.where(mask, noise, inputs)
+
+
 def one_hot(
     labels: torch.Tensor, num_classes: int, smoothing: float = 0.0
 ) -> torch.Tensor:
@@ -172,9 +240,10 @@ class DeviceBatchTransform:
     """Turns a host batch into model inputs and loss targets on `device`.
 
     Train: uint8 -> device -> PCA lighting (TRAIN.PCA_STD) + normalize in `dtype` ->
-    mixup / cutmix (TRAIN.MIXUP_ALPHA, TRAIN.CUTMIX_ALPHA) with label smoothing
-    (TRAIN.LABEL_SMOOTHING). Targets are float32 (B, MODEL.NUM_CLASSES) probabilities
-    when any of those three is on, else the int64 (B,) labels; both are accepted by
+    random erasing (TRAIN.RANDOM_ERASE*) -> mixup / cutmix (TRAIN.MIXUP_ALPHA,
+    TRAIN.CUTMIX_ALPHA) with label smoothing (TRAIN.LABEL_SMOOTHING). Targets are
+    float32 (B, MODEL.NUM_CLASSES) probabilities when any of those three is on, else
+    the int64 (B,) labels; both are accepted by
     torch's cross_entropy. Test: normalize only; targets are the labels.
     Random draws come from generators seeded with RNG_SEED (and `rank`): a numpy
     Generator on the host (mixup / cutmix choices) and a torch Generator on `device`
@@ -199,6 +268,9 @@ class DeviceBatchTransform:
         self.mixup_alpha = cfg.TRAIN.MIXUP_ALPHA
         self.cutmix_alpha = cfg.TRAIN.CUTMIX_ALPHA
         self.smoothing = cfg.TRAIN.LABEL_SMOOTHING
+        self.erase = cfg.TRAIN.RANDOM_ERASE
+        self.erase_mode = cfg.TRAIN.RANDOM_ERASE_MODE
+        self.erase_count = cfg.TRAIN.RANDOM_ERASE_COUNT
         self.num_classes = cfg.MODEL.NUM_CLASSES
         self.bgr = cfg.DATA.CHANNEL_ORDER == "bgr"
         seed = [cfg.RNG_SEED, rank]
@@ -221,6 +293,27 @@ class DeviceBatchTransform:
         self.rng.bit_generator.state = state["numpy"]
         self.generator.set_state(state["torch"].to("cpu", torch.uint8))
 
+    def _random_erase(self, inputs):
+        """timm's RandomErasing per image: boxes drawn on the host (a `random.Random`
+        seeded from this transform's numpy generator, so a resume redraws them),
+        noise on the device from its generator."""
+        rng = random.Random(int(self.rng.integers(2**63)))
+        b, _, height, width = inputs.shape
+        boxes = np.zeros((b, self.erase_count, 4), dtype=np.int64)
+        for i in range(b):
+            for k, box in enumerate(
+                erase_boxes(rng, height, width, self.erase, self.erase_count)
+            ):
+                boxes[i, k] = box
+        if not boxes[..., 2].any():
+            return inputs
+        boxes_t = torch.from_numpy(boxes)
+        if inputs.device.type == "cuda":  # no host sync: a pinned, async copy
+            boxes_t = boxes_t.pin_memory().to(inputs.device, non_blocking=True)
+        else:
+            boxes_t = boxes_t.to(inputs.device)
+        return erase_batch(inputs, boxes_t, self.erase_mode, self.generator)
+
     def _ordered(self, inputs: torch.Tensor) -> torch.Tensor:
         # pycls's loader feeds BGR, each channel normalized by its own mean and std:
         # normalizing in RGB, then reversing the channels, is the same.
@@ -242,6 +335,8 @@ class DeviceBatchTransform:
                 len(labels), self.pca_std, self.generator, images.device
             )
         inputs = self._ordered(normalize(images, dtype=self.dtype, offsets=offsets))
+        if self.erase > 0:
+            inputs = self._random_erase(inputs)
         mixing = self.mixup_alpha > 0 or self.cutmix_alpha > 0
         if not mixing and self.smoothing == 0:
             return inputs, labels

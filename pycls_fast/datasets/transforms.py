@@ -1,13 +1,15 @@
 """Per-image transforms on the host: an encoded image in, a uint8 RGB image of fixed
 size written into its row of the batch.
 
-Train: random-resized-crop + horizontal flip at TRAIN.IM_SIZE, then the optional
-TRAIN.AUGMENT policy (timm's AutoAugment / RandAugment). Test: resize the shorter side
-to TEST.IM_SIZE and center-crop TRAIN.IM_SIZE (pycls). The train crop is resized
-by torch's uint8 antialiased bilinear kernel (`EncodedImage.crop_flip_resize_into`,
-JPEGs decoded without Pillow's header parsing); the test crop by
-Pillow (`resize(box=...)`, exact pycls resize-then-crop at fractional boxes); both on a
-reduced-size JPEG decode where that keeps enough pixels.
+Train: random-resized-crop (or DeiT III's simple random crop, DATA.TRAIN_CROP) +
+horizontal flip at TRAIN.IM_SIZE, then the optional DeiT III 3-Augment
+(TRAIN.THREE_AUGMENT), colour jitter (TRAIN.COLOR_JITTER) and TRAIN.AUGMENT policy
+(timm's AutoAugment / RandAugment); augment.py holds the DeiT pieces.
+Test: resize the shorter side to TEST.IM_SIZE and center-crop TRAIN.IM_SIZE (pycls).
+The train crop is resized by torch's uint8 antialiased bilinear kernel
+(`EncodedImage.crop_flip_resize_into`, JPEGs decoded without Pillow's header
+parsing); the test crop by Pillow (`resize(box=...)`, exact pycls resize-then-crop at
+fractional boxes); both on a reduced-size JPEG decode where that keeps enough pixels.
 Colour normalization and PCA lighting are not here: they run on the device
 (pycls_fast/datasets/device.py), so batches stay uint8 on the host.
 """
@@ -21,7 +23,8 @@ import numpy as np
 from PIL import Image
 from yacs.config import CfgNode
 
-from pycls_fast.datasets.decode import EncodedImage, crop_resize
+from pycls_fast.datasets import augment as deit
+from pycls_fast.datasets.decode import EncodedImage, crop_resize, to_rgb
 from pycls_fast.errors import ConfigError
 
 # ImageNet mean in 0-255, timm's fill colour for geometric augmentations.
@@ -108,7 +111,8 @@ def make_augment(
 
 
 class TrainTransform:
-    """Random-resized-crop + flip (+ augment) to `im_size` x `im_size` RGB."""
+    """Random-resized-crop (or DeiT III's simple random crop) + flip (+ 3-Augment,
+    colour jitter, AutoAugment / RandAugment) to `im_size` x `im_size` RGB."""
 
     def __init__(
         self,
@@ -116,11 +120,20 @@ class TrainTransform:
         augment: str = "",
         scale: Sequence[float] = (0.08, 1.0),
         hflip: float = 0.5,
+        crop: str = "random_resized",
+        three_augment: bool = False,
+        color_jitter: float = 0.0,
     ) -> None:
         self.out_size = (im_size, im_size)
         self.augment = make_augment(augment, im_size)
         self.scale = tuple(scale)
         self.hflip = hflip
+        self.simple_crop = crop == "simple_random"
+        self.three_augment = three_augment
+        self.color_jitter = color_jitter
+        self.direct = not (
+            self.augment or self.simple_crop or three_augment or color_jitter
+        )
 
     def __call__(
         self, image: EncodedImage, rng: random.Random, out: np.ndarray
@@ -133,15 +146,26 @@ class TrainTransform:
         draw from the global `random` module, so with TRAIN.AUGMENT set, results are
         not reproducible across runs of a multi-threaded loader.
         """
-        box = random_resized_crop_box(*image.size, rng, scale=self.scale)
-        flip = rng.random() < self.hflip
-        if self.augment is None:
-            image.crop_flip_resize_into(box, out, flip)
-            return
-        im = crop_resize(image.pil(), box, self.out_size)
+        if self.simple_crop:
+            im = deit.simple_random_crop(to_rgb(image.pil()), self.out_size[0], rng)
+            flip = rng.random() < self.hflip
+        else:
+            box = random_resized_crop_box(*image.size, rng, scale=self.scale)
+            flip = rng.random() < self.hflip
+            if self.direct:
+                image.crop_flip_resize_into(box, out, flip)
+                return
+            im = crop_resize(image.pil(), box, self.out_size)
         if flip:
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
-        _write(self.augment(im), out)
+        # DeiT III's order: crop and flip, 3-Augment, colour jitter.
+        if self.three_augment:
+            im = deit.three_augment(im, rng)
+        if self.color_jitter:
+            im = deit.color_jitter(im, self.color_jitter, rng)
+        if self.augment is not None:
+            im = self.augment(im)
+        _write(im, out)
 
 
 class TestTransform:
@@ -174,6 +198,12 @@ def build_transform(cfg: CfgNode, train: bool) -> "TrainTransform | TestTransfor
     TRAIN.IM_SIZE) transform of `cfg`."""
     if train:
         return TrainTransform(
-            cfg.TRAIN.IM_SIZE, cfg.TRAIN.AUGMENT, cfg.DATA.CROP_SCALE, cfg.DATA.HFLIP
+            cfg.TRAIN.IM_SIZE,
+            cfg.TRAIN.AUGMENT,
+            cfg.DATA.CROP_SCALE,
+            cfg.DATA.HFLIP,
+            cfg.DATA.TRAIN_CROP,
+            cfg.TRAIN.THREE_AUGMENT,
+            cfg.TRAIN.COLOR_JITTER,
         )
     return TestTransform(cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE)

@@ -76,6 +76,28 @@ def test_two_ranks_disjoint_equal_and_deterministic(data_root, tmp_path):
     assert a[0][0].shape[0] == 2
 
 
+def test_deit_pieces_keep_modes_identical_and_ranks_one_process(data_root, tmp_path):
+    over = {"DATA__TRAIN_CROP": "simple_random", "TRAIN__THREE_AUGMENT": True,
+            "TRAIN__COLOR_JITTER": 0.3}  # fmt: skip
+    cfg = _cfg(data_root, tmp_path, **over)
+    threads = _epoch(construct_train_loader(cfg), 1)
+    cfg.DATA_LOADER.MODE = "processes"
+    procs = _epoch(construct_train_loader(cfg), 1)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(threads, procs))
+    # Two ranks: each image decoded exactly as one process decodes it.
+    cfg.DATA_LOADER.MODE = "threads"
+    whole = construct_train_loader(cfg)
+    plan = np.concatenate(whole.plan(1))
+    images = torch.cat([x for x, _ in threads])
+    by_index = dict(zip(plan.tolist(), images))
+    for r in (0, 1):
+        loader = construct_train_loader(cfg, rank=r, world_size=2)
+        mine = np.concatenate(loader.plan(1))
+        got = torch.cat([x for x, _ in _epoch(loader, 1)])
+        for i, x in zip(mine.tolist(), got):
+            assert torch.equal(x, by_index[i])
+
+
 def test_all_modes_yield_identical_batches(data_root, tmp_path):
     threads = _epoch(construct_train_loader(_cfg(data_root, tmp_path)), 2)
     inline = _epoch(

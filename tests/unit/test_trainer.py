@@ -87,11 +87,20 @@ def test_iteration_period_ending_an_epoch_checkpoints_it(digits, tmp_path):
     assert (state["epoch"], state["iter"]) == (1, 0)
 
 
-@pytest.mark.parametrize("mode", ["fp32", "O1"])
+# "deit": fp32 with DeiT III's data pieces (simple random crop, 3-Augment, colour
+# jitter, random erasing), which must resume as exactly as the rest.
+DEIT_DATA = ["DATA.TRAIN_CROP", "simple_random", "TRAIN.THREE_AUGMENT", "True",
+             "TRAIN.COLOR_JITTER", "0.3", "TRAIN.RANDOM_ERASE", "0.25"]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["fp32", "O1", "deit"])
 def test_resume_mid_epoch_ends_with_identical_weights(digits, tmp_path, mode):
+    extra = DEIT_DATA if mode == "deit" else []
+    mode = "fp32" if mode == "deit" else mode
     opts = ["AMP.MODE", mode, "TRAIN.MIXED_PRECISION", str(mode == "O1"),
             "TRAIN.CHECKPOINT_ITER_PERIOD", "4", "TRAIN.MIXUP_ALPHA",
-            "0.2", "TRAIN.LABEL_SMOOTHING", "0.1", "VIT.DROP_PATH", "0.1"]  # fmt: skip
+            "0.2", "TRAIN.LABEL_SMOOTHING", "0.1", "VIT.DROP_PATH", "0.1",
+            *extra]  # fmt: skip
     full = tmp_path / "full"
     train_model(_cfg(digits, full, *opts))
     # A crash right after the checkpoint 4 iterations into epoch 2: later files gone.
