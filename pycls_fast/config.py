@@ -545,6 +545,11 @@ _key("TRAIN.PCA_STD", 0.1, ge=0)
 # Data augmentation ('', 'AutoAugment', 'RandAugment_N2_M0.5', ...)
 _key("TRAIN.AUGMENT", "")
 
+# pycls_fast: repeated augmentation (DeiT's RASampler): each image this many times
+# in a row of the epoch's order, each copy with its own augmentation, the epoch as
+# long as before (1/this many of the images per epoch); 1 = off (DeiT uses 3)
+_key("TRAIN.REPEATED_AUG", 1, gt=0)
+
 # pycls_fast: DeiT III's 3-Augment: per image one of grayscale, solarization, Gaussian
 # blur (after the crop and flip)
 _key("TRAIN.THREE_AUGMENT", False)

@@ -103,17 +103,24 @@ class ImageDecoder:
         """Decodes image `i` into `out`, a writable uint8 (H, W, 3) array; returns
         None, or (path, error) if the file cannot be decoded (`out` is then left in
         any state)."""
+        # `i` may be a repeat's virtual index (repeated augmentation): i + copy x N,
+        # the same image with a seed of its own.
         rng = random.Random(image_seed(self.seed, epoch, i))
+        j = i % len(self.index)
         image = None
         try:
-            image = EncodedImage(self.index.read(i))
+            image = EncodedImage(self.index.read(j))
             self.transform(image, rng, out)
         except DECODE_ERRORS as e:
-            return self.index.path(i), f"{type(e).__name__}: {e}"
+            return self.index.path(j), f"{type(e).__name__}: {e}"
         finally:
             if image is not None:
                 image.close()
         return None
+
+    def label(self, i: int) -> int:
+        """The label of image `i` (a repeat's virtual index included)."""
+        return int(self.index.labels[i % len(self.index)])
 
     def load(self, i: int, epoch: int) -> np.ndarray | tuple[str, str]:
         """Returns image `i` as a new uint8 (H, W, 3) array, or (path, error) if the
@@ -178,7 +185,8 @@ class PartialBatch:
 
     def finish(self) -> Batch:
         """Returns the Batch of the decoded rows, without the bad ones."""
-        labels = self.decoder.index.labels[self.indices]
+        index = self.decoder.index
+        labels = index.labels[self.indices % len(index)]
         if self.ok.all():
             return make_batch(self.images, labels, self.bad)
         # numpy's copy (one thread): torch's indexing would start intra-op threads in

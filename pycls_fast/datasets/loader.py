@@ -277,10 +277,10 @@ def construct_train_loader(cfg, rank=None, world_size=None):
             order = sharding.shard_order(
                 index.counts, cfg.RNG_SEED, epoch, cfg.DATA.SHUFFLE_BUFFER
             )
-            return sharding.split_order(order, batch_size, rank, world_size)
-        return sharding.train_batches(
-            len(index), batch_size, cfg.RNG_SEED, epoch, rank, world_size
-        )
+        else:
+            order = np.random.default_rng([cfg.RNG_SEED, epoch]).permutation(len(index))
+        order = sharding.repeat_order(order, cfg.TRAIN.REPEATED_AUG)
+        return sharding.split_order(order, batch_size, rank, world_size)
 
     return _loader(cfg, index, True, plan)
 

@@ -27,7 +27,7 @@ class _EpochDataset(torch.utils.data.Dataset):
         return len(self.decoder.index)
 
     def __getitem__(self, i):
-        return self.decoder.load(i, self.epoch), int(self.decoder.index.labels[i])
+        return self.decoder.load(i, self.epoch), self.decoder.label(i)
 
 
 def _collate(shape, items):

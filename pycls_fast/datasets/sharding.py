@@ -69,6 +69,19 @@ def shard_order(counts: np.ndarray, seed: int, epoch: int, window: int) -> np.nd
     return order
 
 
+def repeat_order(order: np.ndarray, repeats: int) -> np.ndarray:
+    """Repeated augmentation (DeiT's RASampler): each image of `order` `repeats` times
+    in a row, cut to the epoch's length len(order); copy c of image i is the virtual
+    index i + c x N (its own crop and augmentation seeds). Split between ranks, the
+    copies of an image go to consecutive ranks in the same step, as DeiT's sampler
+    sends them."""
+    if repeats <= 1:
+        return order
+    n = len(order)
+    copies = np.tile(np.arange(repeats, dtype=np.int64), n)[:n]
+    return np.repeat(order, repeats)[:n] + copies * n
+
+
 def num_train_batches(num_images: int, batch_size: int, world_size: int) -> int:
     """Train batches per rank per epoch (len of `train_batches`)."""
     return num_images // world_size // batch_size

@@ -78,7 +78,7 @@ def test_two_ranks_disjoint_equal_and_deterministic(data_root, tmp_path):
 
 def test_deit_pieces_keep_modes_identical_and_ranks_one_process(data_root, tmp_path):
     over = {"DATA__TRAIN_CROP": "simple_random", "TRAIN__THREE_AUGMENT": True,
-            "TRAIN__COLOR_JITTER": 0.3}  # fmt: skip
+            "TRAIN__COLOR_JITTER": 0.3, "TRAIN__REPEATED_AUG": 3}  # fmt: skip
     cfg = _cfg(data_root, tmp_path, **over)
     threads = _epoch(construct_train_loader(cfg), 1)
     cfg.DATA_LOADER.MODE = "processes"
@@ -90,6 +90,14 @@ def test_deit_pieces_keep_modes_identical_and_ranks_one_process(data_root, tmp_p
     plan = np.concatenate(whole.plan(1))
     images = torch.cat([x for x, _ in threads])
     by_index = dict(zip(plan.tolist(), images))
+    # Repeated augmentation: copies of one image (virtual indices i + c x N) carry
+    # its label and are augmented apart.
+    n = NUM_CLASSES * PER_CLASS
+    copies = [v for v in plan.tolist() if v >= n and v - n in by_index]
+    assert copies and all(not torch.equal(by_index[v], by_index[v - n]) for v in copies)
+    labels = torch.cat([y for _, y in threads])
+    label_of = dict(zip(plan.tolist(), labels.tolist()))
+    assert all(label_of[v] == label_of[v - n] for v in copies)
     for r in (0, 1):
         loader = construct_train_loader(cfg, rank=r, world_size=2)
         mine = np.concatenate(loader.plan(1))

@@ -1,6 +1,7 @@
 """Sharding and shuffling across simulated ranks."""
 
 import numpy as np
+import pytest
 
 from pycls_fast.datasets import sharding
 from pycls_fast.datasets.sharding import num_train_batches, train_batches
@@ -48,3 +49,28 @@ def test_more_ranks_than_images():
 def test_rank_defaults_without_distributed():
     assert sharding.rank_and_world_size() == (0, 1)
     assert sharding.rank_and_world_size(1, 2) == (1, 2)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_repeated_augmentation_sends_what_deits_sampler_sends(world_size):
+    # timm's RepeatAugSampler is DeiT's RASampler; unshuffled, its per-rank indices
+    # must be ours for the identity order (images mod N: copies are virtual indices).
+    from timm.data.distributed_sampler import RepeatAugSampler
+
+    n, batch = 96, 4
+    order = sharding.repeat_order(np.arange(n, dtype=np.int64), 3)
+    assert len(order) == n and sorted(set(order % n)) == list(range(32))
+    for rank in range(world_size):
+        deit = RepeatAugSampler(range(n), world_size, rank, shuffle=False,
+                                num_repeats=3, selected_round=0)  # fmt: skip
+        ours = np.concatenate(sharding.split_order(order, batch, rank, world_size))
+        assert (ours % n).tolist() == list(deit)
+    # The three copies of an image are distinct virtual indices (own seeds), and with
+    # 3 or more ranks each lands on a different rank in the same step.
+    assert len(set(order.tolist())) == n
+    if world_size >= 3:
+        ranks = {}
+        for rank in range(world_size):
+            for v in sharding.split_order(order, batch, rank, world_size)[0]:
+                ranks.setdefault(int(v) % n, set()).add(rank)
+        assert all(len(r) == 3 for i, r in ranks.items() if i < world_size // 3)

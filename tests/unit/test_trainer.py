@@ -88,9 +88,10 @@ def test_iteration_period_ending_an_epoch_checkpoints_it(digits, tmp_path):
 
 
 # "deit": fp32 with DeiT III's data pieces (simple random crop, 3-Augment, colour
-# jitter, random erasing), which must resume as exactly as the rest.
+# jitter, random erasing, repeated augmentation), which must resume as exactly.
 DEIT_DATA = ["DATA.TRAIN_CROP", "simple_random", "TRAIN.THREE_AUGMENT", "True",
-             "TRAIN.COLOR_JITTER", "0.3", "TRAIN.RANDOM_ERASE", "0.25"]  # fmt: skip
+             "TRAIN.COLOR_JITTER", "0.3", "TRAIN.RANDOM_ERASE", "0.25",
+             "TRAIN.REPEATED_AUG", "3"]  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["fp32", "O1", "deit"])
