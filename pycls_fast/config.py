@@ -702,6 +702,24 @@ _C.MEM = CfgNode()
 _key("MEM.RELU_INPLACE", True)
 
 
+# --------------------------------- Profiling options -------------------------------- #
+# pycls_fast: a torch.profiler trace of a few training steps (docs/PERFORMANCE.md,
+# "Profiling a run"), written to OUT_DIR/profile/
+_C.PROF = CfgNode()
+
+# Profile training steps (Chrome trace and an operator table per rank)
+_key("PROF.ENABLED", False)
+
+# Steps of this process before the profiled ones (warm-up)
+_key("PROF.START", 10, ge=0)
+
+# Steps profiled
+_key("PROF.STEPS", 5, gt=0)
+
+# On CUDA, also record the allocator's history over those steps (memory snapshot)
+_key("PROF.MEMORY", True)
+
+
 # ------------------------------- Precise time options ------------------------------- #
 _C.PREC_TIME = CfgNode()
 

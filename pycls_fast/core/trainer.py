@@ -50,6 +50,7 @@ from pycls_fast.core.precision import (
     resolve_amp,
 )
 from pycls_fast.core.preemption import StopRequest
+from pycls_fast.core.profiling import StepProfiler
 from pycls_fast.core.run_lock import RunLock
 from pycls_fast.core.stats_sinks import attach_stats_sinks
 from pycls_fast.datasets.device import DeviceBatchTransform
@@ -575,7 +576,10 @@ def _train(cfg, stop, remote=None):
     one = distributed.world_size() == 1
     check_period = 1 if one else cfg.TRAIN.PREEMPT_CHECK_PERIOD
 
+    profiler = StepProfiler(cfg, distributed.rank(), parts.device)
+
     def on_iter_end(epoch, done, iters):
+        profiler.step()
         due = done % check_period == 0 or done == iters
         manager.after_iteration(epoch, done, iters, stop.agreed() if due else 0)
 
@@ -587,6 +591,16 @@ def _train(cfg, stop, remote=None):
             results["test_ema"] = test_epoch(
                 parts, parts.ema, start_epoch - 1, "test_ema_epoch"
             )
+    try:
+        _epochs(parts, manager, results, start_epoch, start_iter, on_iter_end, remote)
+    finally:
+        profiler.close()
+    return results
+
+
+def _epochs(parts, manager, results, start_epoch, start_iter, on_iter_end, remote):
+    """Trains and evaluates epochs start_epoch..OPTIM.MAX_EPOCH - 1 into `results`."""
+    cfg = parts.cfg
     for epoch in range(start_epoch, cfg.OPTIM.MAX_EPOCH):
         t0 = time.perf_counter()
         results["train"] = train_epoch(parts, epoch, start_iter, on_iter_end)
@@ -603,7 +617,6 @@ def _train(cfg, stop, remote=None):
         logger.info("epoch %d done in %.1f s", epoch + 1, time.perf_counter() - t0)
         if remote is not None and distributed.is_main():
             remote.push()
-    return results
 
 
 def test_model(cfg):
