@@ -1,5 +1,6 @@
 """Loading a checkpoint's weights into a model (TRAIN.WEIGHTS, TEST.WEIGHTS)."""
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,8 @@ class LoadedWeights:
     iteration: int = 0
     # Why these weights of the checkpoint were chosen, when a rule chose them.
     why: str = ""
+    # What was adapted on the way in (a position embedding of another grid).
+    notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         """One line: file, which weights, tensors matched, what was re-initialised."""
@@ -40,7 +43,39 @@ class LoadedWeights:
             line += f" ({self.why})"
         if self.reinitialised:
             line += f"; re-initialised {', '.join(self.reinitialised)}"
+        for note in self.notes:
+            line += f"; {note}"
         return line
+
+
+POS = "pos_embedding"
+
+
+def _grid(seq_len: int) -> tuple[int, int]:
+    """(grid side, prefix tokens) of a position embedding of `seq_len` tokens: a square
+    grid of patches after 0 (pooled classifier) or 1 (class token) prefix tokens."""
+    side = math.isqrt(seq_len)
+    return side, seq_len - side * side
+
+
+def resample_pos_embedding(state: dict, ours: dict) -> str | None:
+    """Interpolates state's position embedding (1, seq, hidden) to the model's grid
+    in place (bicubic, timm's `resample_abs_pos_embed`, as timm and DeiT fine-tune at a
+    new resolution); returns a note, or None when nothing was done."""
+    if POS not in state or POS not in ours:
+        return None
+    old, new = state[POS], ours[POS]
+    if old.shape == new.shape or old.dim() != 3 or old.shape[2] != new.shape[2]:
+        return None
+    (g_old, prefix_old), (g_new, prefix_new) = _grid(old.shape[1]), _grid(new.shape[1])
+    if prefix_old != prefix_new or prefix_old > 1:
+        return None  # another classifier type: _misfit names the shapes
+    from timm.layers import resample_abs_pos_embed
+
+    state[POS] = resample_abs_pos_embed(
+        old.float(), [g_new, g_new], num_prefix_tokens=prefix_new
+    ).to(old.dtype)
+    return f"position embedding resampled {g_old}x{g_old} -> {g_new}x{g_new} (bicubic)"
 
 
 def _misfit(state: dict, ours: dict, allow_missing_head: bool, reset_head: bool):
@@ -138,11 +173,15 @@ def load_model_weights(
 ) -> LoadedWeights:
     """Loads model weights (the EMA weights with `use_ema`, when the checkpoint has
     them) from a checkpoint file or sharded checkpoint directory into `model` (not
-    yet sharded); names the file on mismatch. `allow_missing_head`: head.* tensors
-    may be absent (TRAIN.WEIGHTS); `reset_head`: head.* tensors of another shape are
-    skipped too, leaving the model's fresh classifier (TRAIN.RESET_HEAD)."""
+    yet sharded); names the file on mismatch. A position embedding trained at another
+    image size (or patch grid) is interpolated to this model's grid.
+    `allow_missing_head`: head.* tensors may be absent (TRAIN.WEIGHTS);
+    `reset_head`: head.* tensors of another shape are skipped too, leaving the
+    model's fresh classifier (TRAIN.RESET_HEAD)."""
     state, ema, meta, why = _read(path, use_ema)
     ours = model.state_dict()
+    state = dict(state)
+    note = resample_pos_embedding(state, ours)
     reset = []
     if reset_head:
         reset = [
@@ -165,4 +204,5 @@ def load_model_weights(
         epoch=epoch if isinstance(epoch, int) else None,
         iteration=int(meta.get("iter") or 0),
         why=why,
+        notes=[note] if note else [],
     )
