@@ -530,6 +530,15 @@ _key("TRAIN.MIXED_PRECISION", False)
 # C++ compiler on a CPU)
 _key("TRAIN.COMPILE", "off", choices=["off", "block", "model"])
 
+# pycls_fast: training loss: 'ce' (cross-entropy with soft targets, pycls) or 'bce'
+# (binary cross-entropy per class, DeiT III; timm's BinaryCrossEntropy); evaluation
+# reports cross-entropy either way
+_key("TRAIN.LOSS", "ce", choices=["ce", "bce"])
+
+# pycls_fast: TRAIN.LOSS bce: targets above this become 1, the others 0 (timm's
+# target_threshold, e.g. 0.2 with mixup); 0 = soft targets as they are
+_key("TRAIN.BCE_TARGET_THRESH", 0.0, ge=0, lt=1)
+
 # Label smoothing value in 0 to 1 (0 gives no smoothing)
 _key("TRAIN.LABEL_SMOOTHING", 0.0, ge=0, lt=1)
 

@@ -15,6 +15,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +35,7 @@ from pycls_fast.core.checkpoint.weights import (
 from pycls_fast.core.device_info import describe_device
 from pycls_fast.core.ema import create_ema, ema_alpha, ema_enabled, update_ema
 from pycls_fast.core.logging import format_eta, log_json_stats, setup_logging
+from pycls_fast.core.losses import build_loss
 from pycls_fast.core.meters import EpochMeter, memory_mb, topk_errors
 from pycls_fast.core.optimizer import construct_optimizer, lr_at, param_groups, set_lr
 from pycls_fast.core.parallel import fsdp_enabled, parallelize, shard_model, unwrap
@@ -104,6 +106,8 @@ class Components:
     train_meter: EpochMeter = field(default_factory=EpochMeter)
     # What `weights` loaded (test_model): file, EMA or not, training epoch.
     loaded: LoadedWeights | None = None
+    # The training loss (TRAIN.LOSS): (float32 logits, targets) -> mean loss.
+    loss_fn: Callable = F.cross_entropy
 
 
 def seed_everything(seed):
@@ -209,6 +213,7 @@ def build_components(
         model=unwrap(trained),
         optimizer=optimizer,
         scaler=loss_scaler(half if mode is not AmpMode.FP32 else torch.float32),
+        loss_fn=build_loss(cfg),
         master=master,
         ema=ema,
         opt_params=[p for g in groups for p in g["params"]],
@@ -249,7 +254,7 @@ def _forward_backward(parts, inputs, targets, weight):
             _gradient_sync(parts.trained, last)  # one reduction, after the last
         with autocast(parts.device.type, parts.mode, parts.half_dtype):
             logits = parts.trained(x)
-        loss = F.cross_entropy(logits.float(), y) * (len(y) / len(targets))
+        loss = parts.loss_fn(logits.float(), y) * (len(y) / len(targets))
         parts.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
         losses.append(loss.detach())
         all_logits.append(logits.detach())

@@ -29,10 +29,13 @@ def _steps(*opts, steps=3, soft=False):
 
 
 @pytest.mark.parametrize("soft", [False, True])
-def test_micro_batches_give_the_whole_batch_step(soft):
-    whole, whole_logits, whole_state = _steps(soft=soft)
+@pytest.mark.parametrize("loss", ["ce", "bce"])
+def test_micro_batches_give_the_whole_batch_step(soft, loss):
+    whole, whole_logits, whole_state = _steps("TRAIN.LOSS", loss, soft=soft)
     for accum in ("2", "4"):
-        losses, logits, state = _steps("TRAIN.ACCUM_STEPS", accum, soft=soft)
+        losses, logits, state = _steps(
+            "TRAIN.LOSS", loss, "TRAIN.ACCUM_STEPS", accum, soft=soft
+        )
         # The same loss and logits of the batch, the same weights after the steps,
         # up to the order of floating-point sums.
         assert losses == pytest.approx(whole, rel=1e-5)
