@@ -350,6 +350,10 @@ _key(
 # The attention kernels that need half-precision inputs (checked in check_cfg).
 ATTENTION_NEEDS_HALF = ("sdpa_flash", "sdpa_cudnn")
 
+# pycls_fast: LayerScale initial value (DeiT III: a learned per-channel scale of each
+# residual branch; 1e-4 for ViT-S/B, 1e-5 for larger); 0 = off
+_key("VIT.LAYER_SCALE", 0.0, ge=0)
+
 # pycls_fast: stochastic depth rate of the last block (linearly increasing from 0)
 _key("VIT.DROP_PATH", 0.0, ge=0, lt=1)
 

@@ -1,6 +1,7 @@
 """Weight conversion between timm's `VisionTransformer` and pycls_fast's ViT.
 
-Supported timm models (patchify stem, no layer scale, no register tokens):
+Supported timm models (patchify stem, no register tokens; LayerScale as
+`blocks.N.ls1.gamma` / `ls2.gamma` when VIT.LAYER_SCALE > 0, timm's `init_values`):
 - token classifier: `class_token=True, global_pool='token'`;
 - pooled classifier: `class_token=False, global_pool='avg', fc_norm=False` (the final
   norm comes before the mean, as in pycls).
@@ -38,9 +39,13 @@ _TOP_KEYS = [
 ]
 
 
-def _key_map(n_layers, class_token):
+def _key_map(n_layers, class_token, layer_scale=False):
     """Returns [(timm key, our key)] for every tensor of the model."""
     pairs = [("pos_embed", "pos_embedding")]
+    if layer_scale:
+        for i in range(n_layers):
+            for t, o in (("ls1", "ls_1"), ("ls2", "ls_2")):
+                pairs.append((f"blocks.{i}.{t}.gamma", f"encoder.block_{i}.{o}.gamma"))
     if class_token:
         pairs.append(("cls_token", "class_token"))
     for t, o in _TOP_KEYS:
@@ -109,7 +114,13 @@ def from_timm(
             f"VIT.NUM_LAYERS is {p.n_layers} but the timm checkpoint has "
             f"{len(blocks)} blocks"
         )
-    pairs = _key_map(p.n_layers, has_token)
+    has_ls = any(re.match(r"blocks\.\d+\.ls1\.gamma$", k) for k in sd)
+    if has_ls != (p.layer_scale > 0):
+        raise ConfigError(
+            "VIT.LAYER_SCALE: the timm checkpoint "
+            + ("has LayerScale (set VIT.LAYER_SCALE > 0)" if has_ls else "has none")
+        )
+    pairs = _key_map(p.n_layers, has_token, has_ls)
     missing = [t for t, _ in pairs if t not in sd]
     if missing:
         raise ConfigError(
@@ -134,7 +145,7 @@ def to_timm(state_dict: dict[str, Any], cfg: CfgNode) -> dict[str, torch.Tensor]
     p = ViTParams.from_cfg(cfg)
     _check_supported(p)
     sd = unwrap_state_dict(state_dict)
-    pairs = _key_map(p.n_layers, p.cls_type == "token")
+    pairs = _key_map(p.n_layers, p.cls_type == "token", p.layer_scale > 0)
     missing = [o for _, o in pairs if o not in sd]
     if missing:
         raise ConfigError(
@@ -187,5 +198,6 @@ def build_timm_vit(cfg: CfgNode, **kwargs: Any) -> nn.Module:
         num_heads=p.n_heads,
         mlp_ratio=p.mlp_d / p.hidden_d,
         norm_layer=functools.partial(torch.nn.LayerNorm, eps=p.ln_eps),
+        init_values=p.layer_scale or None,
         **kwargs,
     )

@@ -60,6 +60,7 @@ class ViTParams:
     batch_first: bool = False
     attention: str = "auto"
     drop_path: float = 0.0
+    layer_scale: float = 0.0
 
     @staticmethod
     def from_cfg(cfg: CfgNode) -> "ViTParams":
@@ -84,6 +85,7 @@ class ViTParams:
             batch_first=cfg.VIT.LAYOUT == "batch_first",
             attention=cfg.VIT.ATTENTION,
             drop_path=cfg.VIT.DROP_PATH,
+            layer_scale=cfg.VIT.LAYER_SCALE,
         )
 
     @property
@@ -173,8 +175,27 @@ class MultiheadSelfAttention(nn.Module):
         return linear_cx(cx, hidden_d, hidden_d, bias=True, num_locations=seq_len)
 
 
+class LayerScale(nn.Module):
+    """DeiT III's LayerScale: a learned per-channel scale `gamma` of a residual
+    branch, initialised small (https://arxiv.org/abs/2103.17239)."""
+
+    def __init__(self, dim: int, init_value: float) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), float(init_value)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., dim), float -> the same shape, scaled per channel."""
+        return x * self.gamma
+
+    @staticmethod
+    def complexity(cx: dict[str, int], dim: int) -> dict[str, int]:
+        # Parameters only: pycls counts no flops or acts for elementwise layers.
+        return {**cx, "params": cx["params"] + dim}
+
+
 class ViTEncoderBlock(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)); with
+    p.layer_scale > 0 each branch is scaled by a LayerScale (DeiT III)."""
 
     def __init__(self, p: ViTParams, drop_path_prob: float = 0.0) -> None:
         super().__init__()
@@ -184,6 +205,11 @@ class ViTEncoderBlock(nn.Module):
         )
         self.ln_2 = layernorm(p.hidden_d, p.ln_eps)
         self.mlp_block = MLPBlock(p.hidden_d, p.mlp_d)
+        if p.layer_scale > 0:
+            self.ls_1 = LayerScale(p.hidden_d, p.layer_scale)
+            self.ls_2 = LayerScale(p.hidden_d, p.layer_scale)
+        else:
+            self.ls_1 = self.ls_2 = nn.Identity()
         self.drop_path_prob = drop_path_prob
         self.batch_dim = 0 if p.batch_first else 1
 
@@ -191,17 +217,27 @@ class ViTEncoderBlock(nn.Module):
         """x: tokens (seq, batch, hidden) or (batch, seq, hidden) per the layout, float;
         returns the same shape and dtype."""
         dp, bd = self.drop_path_prob, self.batch_dim
-        x = x + drop_path(self.self_attention(self.ln_1(x)), dp, self.training, bd)
-        return x + drop_path(self.mlp_block(self.ln_2(x)), dp, self.training, bd)
+        attn = self.ls_1(self.self_attention(self.ln_1(x)))
+        x = x + drop_path(attn, dp, self.training, bd)
+        mlp = self.ls_2(self.mlp_block(self.ln_2(x)))
+        return x + drop_path(mlp, dp, self.training, bd)
 
     @staticmethod
     def complexity(
-        cx: dict[str, int], hidden_d: int, n_heads: int, mlp_d: int, seq_len: int
+        cx: dict[str, int],
+        hidden_d: int,
+        n_heads: int,
+        mlp_d: int,
+        seq_len: int,
+        layer_scale: bool = False,
     ) -> dict[str, int]:
         cx = layernorm_cx(cx, hidden_d)
         cx = MultiheadSelfAttention.complexity(cx, hidden_d, n_heads, seq_len)
         cx = layernorm_cx(cx, hidden_d)
-        return MLPBlock.complexity(cx, hidden_d, mlp_d, seq_len)
+        cx = MLPBlock.complexity(cx, hidden_d, mlp_d, seq_len)
+        if layer_scale:
+            cx = LayerScale.complexity(LayerScale.complexity(cx, hidden_d), hidden_d)
+        return cx
 
 
 class ViTEncoder(nn.Module):
@@ -230,9 +266,12 @@ class ViTEncoder(nn.Module):
         n_heads: int,
         mlp_d: int,
         seq_len: int,
+        layer_scale: bool = False,
     ) -> dict[str, int]:
         for _ in range(n_layers):
-            cx = ViTEncoderBlock.complexity(cx, hidden_d, n_heads, mlp_d, seq_len)
+            cx = ViTEncoderBlock.complexity(
+                cx, hidden_d, n_heads, mlp_d, seq_len, layer_scale
+            )
         return layernorm_cx(cx, hidden_d)
 
 
@@ -369,7 +408,7 @@ class ViT(nn.Module):
             cx["params"] += p.hidden_d
         cx["params"] += p.seq_len * p.hidden_d  # position embeddings
         cx = ViTEncoder.complexity(
-            cx, p.n_layers, p.hidden_d, p.n_heads, p.mlp_d, p.seq_len
+            cx, p.n_layers, p.hidden_d, p.n_heads, p.mlp_d, p.seq_len, p.layer_scale > 0
         )
         cx = ViTHead.complexity(cx, p.hidden_d, p.num_classes)
         return {"params": cx["params"], "flops": cx["flops"], "acts": cx["acts"]}

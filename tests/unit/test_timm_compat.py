@@ -19,8 +19,11 @@ def _random_timm(cfg):
 
 @pytest.mark.parametrize("cls", ["token", "pooled"])
 @pytest.mark.parametrize("layout", ["batch_second", "batch_first"])
-def test_same_logits_as_timm(cls, layout):
-    cfg = tiny_cfg("VIT.CLASSIFIER_TYPE", cls, "VIT.LAYOUT", layout)
+@pytest.mark.parametrize("layer_scale", ["0", "0.1"])
+def test_same_logits_as_timm(cls, layout, layer_scale):
+    cfg = tiny_cfg(
+        "VIT.CLASSIFIER_TYPE", cls, "VIT.LAYOUT", layout, "VIT.LAYER_SCALE", layer_scale
+    )
     timm_model = _random_timm(cfg)
     ours = build_model(cfg).eval()
     ours.load_state_dict(from_timm(timm_model.state_dict(), cfg))
@@ -32,8 +35,9 @@ def test_same_logits_as_timm(cls, layout):
 
 
 @pytest.mark.parametrize("cls", ["token", "pooled"])
-def test_round_trips_are_exact(cls):
-    cfg = tiny_cfg("VIT.CLASSIFIER_TYPE", cls)
+@pytest.mark.parametrize("layer_scale", ["0", "1e-4"])
+def test_round_trips_are_exact(cls, layer_scale):
+    cfg = tiny_cfg("VIT.CLASSIFIER_TYPE", cls, "VIT.LAYER_SCALE", layer_scale)
     timm_sd = _random_timm(cfg).state_dict()
     back = to_timm(from_timm(timm_sd, cfg), cfg)
     assert sorted(back) == sorted(timm_sd)
@@ -80,3 +84,16 @@ def test_mismatches_are_clear_errors(opts, message):
     timm_sd = _random_timm(tiny_cfg()).state_dict()
     with pytest.raises(ConfigError, match=message):
         from_timm(timm_sd, tiny_cfg(*opts))
+
+
+def test_layer_scale_must_match_the_checkpoint():
+    with_ls = _random_timm(tiny_cfg("VIT.LAYER_SCALE", "1e-4")).state_dict()
+    assert "blocks.0.ls1.gamma" in with_ls
+    with pytest.raises(ConfigError, match="has LayerScale \\(set VIT.LAYER_SCALE"):
+        from_timm(with_ls, tiny_cfg())
+    with pytest.raises(
+        ConfigError, match="VIT.LAYER_SCALE: the timm checkpoint has none"
+    ):
+        from_timm(
+            _random_timm(tiny_cfg()).state_dict(), tiny_cfg("VIT.LAYER_SCALE", "0.1")
+        )

@@ -173,3 +173,22 @@ def test_conv_stem_init_matches_pycls_main():
         assert w.std().item() == pytest.approx((2.0 / width) ** 0.5, rel=0.05)
     assert last.weight.std().item() == pytest.approx((1.0 / 48) ** 0.5, rel=0.05)
     assert torch.count_nonzero(last.bias) == 0
+
+
+def test_layer_scale_scales_each_branch_and_is_counted():
+    cfg = tiny_cfg("VIT.LAYER_SCALE", "1e-4")
+    model = build_model(cfg)
+    block = model.encoder.block_0
+    assert torch.equal(block.ls_1.gamma, torch.full((48,), 1e-4))
+    # Counted: 2 x width per block (parameters; pycls counts no elementwise flops).
+    plain = complexity(tiny_cfg())
+    cx = complexity(cfg)
+    assert cx["params"] - plain["params"] == 2 * 2 * 48
+    assert (cx["flops"], cx["acts"]) == (plain["flops"], plain["acts"])
+    assert sum(p.numel() for p in model.parameters()) == cx["params"]
+    # Each residual branch is scaled: with gamma 0 a block is the identity.
+    with torch.no_grad():
+        block.ls_1.gamma.zero_()
+        block.ls_2.gamma.zero_()
+    x = torch.randn(17, 2, 48)
+    assert torch.equal(block.eval()(x), x)
