@@ -462,6 +462,11 @@ _key("OPTIM.EMA_UPDATE_PERIOD", 32, gt=0)
 # Multi-tensor-apply optimizer updates (torch foreach / fused) instead of a loop
 _key("OPTIM.MTA", False)
 
+# pycls_fast: layer-wise learning-rate decay d (BEiT / DeiT III fine-tuning, timm's
+# rule): block i of L (from 0) trains at lr x d^(L - i), the stem and embeddings at
+# lr x d^(L + 1), the final norm as the last block, the head at lr; 1.0 = off
+_key("OPTIM.LAYER_DECAY", 1.0, gt=0, le=1)
+
 # pycls_fast: clip the global gradient norm to this value (0 turns clipping off)
 _key("OPTIM.GRAD_CLIP", 0.0, ge=0)
 

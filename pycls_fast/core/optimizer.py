@@ -20,13 +20,30 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from yacs.config import CfgNode
 
 
+def layer_id(name: str, num_layers: int) -> int:
+    """The depth of a ViT parameter for layer-wise learning-rate decay, as timm's
+    `param_groups_layer_decay` assigns it for its VisionTransformer: 0 for the stem,
+    class token and position embedding, i + 1 for encoder block i, the last block's
+    for the final norm (timm groups `norm` with the blocks), num_layers + 1 for the
+    head."""
+    if name.startswith(("stem.", "class_token", "pos_embedding")):
+        return 0
+    if name.startswith("encoder.block_"):
+        return int(name[len("encoder.block_") :].split(".")[0]) + 1
+    if name.startswith("encoder.ln."):
+        return num_layers
+    return num_layers + 1
+
+
 def param_groups(model: nn.Module, cfg: CfgNode) -> list[dict[str, Any]]:
     """Splits trainable parameters into pycls's weight-decay groups.
 
-    Returns a list of {"params": [...], "weight_decay": wd, "name": ...}: BN and LN
-    parameters use BN/LN.CUSTOM_WEIGHT_DECAY when enabled, other biases use
-    OPTIM.BIAS_CUSTOM_WEIGHT_DECAY when enabled, the rest (class token and position
-    embeddings included, as in pycls) OPTIM.WEIGHT_DECAY.
+    Returns a list of {"params": [...], "weight_decay": wd, "lr_scale": s, "name":
+    ...}: BN and LN parameters use BN/LN.CUSTOM_WEIGHT_DECAY when enabled, other
+    biases use OPTIM.BIAS_CUSTOM_WEIGHT_DECAY when enabled, the rest (class token and
+    position embeddings included, as in pycls) OPTIM.WEIGHT_DECAY. With
+    OPTIM.LAYER_DECAY d < 1 each group is split by depth (`layer_id`), with
+    lr_scale = d ** (num_layers + 1 - depth); `set_lr` applies it.
     """
     wd = cfg.OPTIM.WEIGHT_DECAY
     rules = {
@@ -37,26 +54,34 @@ def param_groups(model: nn.Module, cfg: CfgNode) -> list[dict[str, Any]]:
             cfg.OPTIM.BIAS_CUSTOM_WEIGHT_DECAY,
         ),
     }
-    groups = {"bn": [], "ln": [], "bias": [], "weights": []}
-    for module in model.modules():
+    decay = cfg.OPTIM.LAYER_DECAY
+    num_layers = cfg.VIT.NUM_LAYERS
+    groups = {}  # (kind, depth) -> params, in the model's order
+    for prefix, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
             if not p.requires_grad:
                 continue
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                groups["bn"].append(p)
+                kind = "bn"
             elif isinstance(module, nn.LayerNorm):
-                groups["ln"].append(p)
+                kind = "ln"
             elif name == "bias":
-                groups["bias"].append(p)
+                kind = "bias"
             else:
-                groups["weights"].append(p)
+                kind = "weights"
+            full = f"{prefix}.{name}" if prefix else name
+            depth = layer_id(full, num_layers) if decay < 1 else num_layers + 1
+            groups.setdefault((kind, depth), []).append(p)
+    order = {"bn": 0, "ln": 1, "bias": 2, "weights": 3}
     out = []
-    for name, params in groups.items():
-        if not params:
-            continue
-        use_custom, custom_wd = rules.get(name, (False, wd))
-        out.append({"params": params, "weight_decay": custom_wd if use_custom else wd})
-        out[-1]["name"] = name
+    for (kind, depth), params in sorted(
+        groups.items(), key=lambda g: (order[g[0][0]], g[0][1])
+    ):
+        use_custom, custom_wd = rules.get(kind, (False, wd))
+        group = {"params": params, "weight_decay": custom_wd if use_custom else wd}
+        group["lr_scale"] = decay ** (num_layers + 1 - depth)
+        group["name"] = kind if decay >= 1 else f"{kind}_layer{depth}"
+        out.append(group)
     return out
 
 
@@ -148,6 +173,7 @@ def lr_at(cfg: CfgNode, epoch: float) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Sets the learning rate of every parameter group."""
+    """Sets the learning rate of every parameter group: `lr` times the group's
+    lr_scale (layer-wise decay; 1 without)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)

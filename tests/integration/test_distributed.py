@@ -113,12 +113,15 @@ def test_ddp_and_fsdp_losses_match_one_process(digits, tmp_path, precision, tol)
 
 def test_fsdp_o2_matches_one_process_o2(digits, tmp_path):
     # FSDP O2: fp32 shards gathered as bf16, grads reduced in fp32; one process O2:
-    # bf16 weights with fp32 master copies. The same updates, rounded alike.
-    one = _losses(_train(digits, tmp_path / "one", "AMP.MODE", "O2"))
+    # bf16 weights with fp32 master copies. The same updates, rounded alike; with
+    # layer-wise learning-rate decay, whose groups hold the shards under FSDP and the
+    # master copies in one process.
+    decay = ["OPTIM.LAYER_DECAY", "0.75"]
+    one = _losses(_train(digits, tmp_path / "one", "AMP.MODE", "O2", *decay))
     fsdp = _losses(
         _train(
             digits, tmp_path / "fsdp", "AMP.MODE", "O2", "NUM_GPUS", "2",
-            "FSDP.ENABLED", "True", "FSDP.ACTIVATION_CHECKPOINT", "True",
+            "FSDP.ENABLED", "True", "FSDP.ACTIVATION_CHECKPOINT", "True", *decay,
         )
     )  # fmt: skip
     assert max(abs(a - b) for a, b in zip(one, fsdp)) <= BF16_TOL, (one, fsdp)
