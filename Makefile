@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: setup test test-unit test-integration test-slow slurm lint format demo sweep-demo \
+	distill-demo \
 	check-node bench bench-dist bench-attention \
 	bench-loader bench-index bench-shards bench-loader-scaling \
 	bench-optimizer clean
@@ -48,6 +49,16 @@ demo: setup
 	$(PY) tools/prepare_digits.py --root data/digits
 	$(PY) tools/train_net.py --cfg configs/examples/vit_digits.yaml
 	$(PY) tools/plot_log.py out/digits
+
+# DeiT distillation on digits (docs/RECIPES.md): the demo ViT trained as the teacher
+# (30 epochs, once), then a DeiT-S-shaped student with a distillation token learning
+# from it (hard distillation); a few minutes on 2 cores.
+TEACHER := out/digits_teacher/checkpoints/model_epoch_0030.pyth
+distill-demo: setup
+	$(PY) tools/prepare_digits.py --root data/digits
+	test -f $(TEACHER) || $(PY) tools/train_net.py --cfg configs/examples/vit_digits.yaml \
+		OPTIM.MAX_EPOCH 30 OUT_DIR out/digits_teacher
+	$(PY) tools/train_net.py --cfg configs/deit/deit_s_digits_distill.yaml
 
 # The example sweep (docs/SWEEPS.md): 3 learning rates x 2 depths of the digits ViT,
 # 2 runs at a time (a few minutes on a laptop); the page: out/sweeps/digits_lr_depth/

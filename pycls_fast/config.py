@@ -354,6 +354,10 @@ ATTENTION_NEEDS_HALF = ("sdpa_flash", "sdpa_cudnn")
 # residual branch; 1e-4 for ViT-S/B, 1e-5 for larger); 0 = off
 _key("VIT.LAYER_SCALE", 0.0, ge=0)
 
+# pycls_fast: DeiT's distillation token: a second token and head trained against the
+# teacher (DISTILL.*); evaluation averages the two heads (needs the token classifier)
+_key("VIT.DISTILL_TOKEN", False)
+
 # pycls_fast: stochastic depth rate of the last block (linearly increasing from 0)
 _key("VIT.DROP_PATH", 0.0, ge=0, lt=1)
 
@@ -746,6 +750,29 @@ _key("PREC_TIME.WARMUP_ITER", 3, ge=0)
 
 # Number of iterations to average the time over
 _key("PREC_TIME.NUM_ITER", 30, gt=0)
+
+
+# ------------------------------- Distillation options ------------------------------- #
+# pycls_fast: DeiT's knowledge distillation (docs/RECIPES.md, "Distillation")
+_C.DISTILL = CfgNode()
+
+# 'none', 'soft' (KL divergence to the teacher's tempered softmax) or 'hard' (cross-
+# entropy to the teacher's top-1 class, DeiT's choice)
+_key("DISTILL.TYPE", "none", choices=["none", "soft", "hard"])
+
+# Weight of the distillation loss: loss = (1 - alpha) x base + alpha x distillation
+_key("DISTILL.ALPHA", 0.5, ge=0, le=1)
+
+# Temperature of soft distillation
+_key("DISTILL.TAU", 1.0, gt=0)
+
+# The teacher's config file (its model keys; its TRAIN.IM_SIZE and MODEL.NUM_CLASSES
+# are the student's)
+_key("DISTILL.TEACHER_CFG", "")
+
+# The teacher's weights: a pycls_fast or pycls checkpoint, or a timm ViT state dict
+# (converted on load)
+_key("DISTILL.TEACHER_WEIGHTS", "")
 
 
 # ---------------------------------- Launch options ---------------------------------- #
@@ -1211,12 +1238,28 @@ def check_cfg(cfg: CfgNode) -> None:
                 f"{key} ({_get(cfg, key)}) must be divisible by NUM_GPUS "
                 f"({cfg.NUM_GPUS})"
             )
+    _check_distill(cfg)
     per_rank = cfg.TRAIN.BATCH_SIZE // cfg.NUM_GPUS
     if per_rank % cfg.TRAIN.ACCUM_STEPS:
         raise ConfigError(
             f"TRAIN.ACCUM_STEPS ({cfg.TRAIN.ACCUM_STEPS}) must divide each process's "
             f"batch (TRAIN.BATCH_SIZE / NUM_GPUS = {per_rank})"
         )
+
+
+def _check_distill(cfg: CfgNode) -> None:
+    """Distillation needs a teacher; the distillation token needs distillation (its
+    head learns from the teacher) and the class token."""
+    d = cfg.DISTILL
+    if d.TYPE != "none" and not (d.TEACHER_CFG and d.TEACHER_WEIGHTS):
+        raise ConfigError(
+            f"DISTILL.TYPE {d.TYPE} needs DISTILL.TEACHER_CFG and "
+            "DISTILL.TEACHER_WEIGHTS (the teacher's config and weights)"
+        )
+    if cfg.VIT.DISTILL_TOKEN and d.TYPE == "none":
+        raise ConfigError("VIT.DISTILL_TOKEN True needs DISTILL.TYPE soft or hard")
+    if cfg.VIT.DISTILL_TOKEN and cfg.VIT.CLASSIFIER_TYPE != "token":
+        raise ConfigError("VIT.DISTILL_TOKEN True needs VIT.CLASSIFIER_TYPE token")
 
 
 def check_launch(cfg: CfgNode) -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pycls_fast.core.precision import AmpMode, autocast, input_dtype
-from pycls_fast.core.trainer import Components, train_step
+from pycls_fast.core.trainer import Components, mean_logits, train_step
 from pycls_fast.datasets.loader import ImageLoader
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
@@ -168,7 +168,7 @@ def time_train(
 
     def forward_backward() -> None:
         with autocast(device.type, parts.mode, parts.half_dtype):
-            loss = F.cross_entropy(model(inputs).float(), targets)
+            loss = F.cross_entropy(mean_logits(model(inputs)).float(), targets)
         loss.backward()
         for p in model.parameters():
             p.grad = None

@@ -33,6 +33,7 @@ from pycls_fast.core.checkpoint.weights import (
     load_model_weights,
 )
 from pycls_fast.core.device_info import describe_device
+from pycls_fast.core.distill import Distiller, build_distiller
 from pycls_fast.core.ema import create_ema, ema_alpha, ema_enabled, update_ema
 from pycls_fast.core.logging import format_eta, log_json_stats, setup_logging
 from pycls_fast.core.losses import build_loss
@@ -108,6 +109,8 @@ class Components:
     loaded: LoadedWeights | None = None
     # The training loss (TRAIN.LOSS): (float32 logits, targets) -> mean loss.
     loss_fn: Callable = F.cross_entropy
+    # DeiT's distillation (DISTILL.*): the teacher and its loss; None without.
+    distiller: Distiller | None = None
 
 
 def seed_everything(seed):
@@ -197,6 +200,11 @@ def build_components(
     if ema is not None and fsdp:
         shard_model(ema, cfg, mode, half)  # sharded like the model
     trained = parallelize(model, cfg, mode, half, device)
+    distiller = None
+    if weights is None:  # training: the teacher, if any
+        distiller = build_distiller(cfg, device, mode, half)
+        if distiller is not None:
+            logger.info("DISTILL.TYPE %s: %s", cfg.DISTILL.TYPE, distiller.note)
     groups = param_groups(model, cfg)
     master = None
     if mode is AmpMode.O2 and not fsdp:
@@ -214,6 +222,7 @@ def build_components(
         optimizer=optimizer,
         scaler=loss_scaler(half if mode is not AmpMode.FP32 else torch.float32),
         loss_fn=build_loss(cfg),
+        distiller=distiller,
         master=master,
         ema=ema,
         opt_params=[p for g in groups for p in g["params"]],
@@ -253,14 +262,27 @@ def _forward_backward(parts, inputs, targets, weight):
         if len(chunks) > 1:
             _gradient_sync(parts.trained, last)  # one reduction, after the last
         with autocast(parts.device.type, parts.mode, parts.half_dtype):
-            logits = parts.trained(x)
-        loss = parts.loss_fn(logits.float(), y) * (len(y) / len(targets))
+            out = parts.trained(x)
+            teacher = parts.distiller.teacher_logits(x) if parts.distiller else None
+        share = len(y) / len(targets)
+        if parts.distiller is not None:
+            loss = parts.distiller.loss(parts.loss_fn, out, teacher, y) * share
+        else:
+            loss = parts.loss_fn(out.float(), y) * share
+        logits = mean_logits(out)
         parts.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
         losses.append(loss.detach())
         all_logits.append(logits.detach())
     if len(chunks) == 1:
         return losses[0], all_logits[0]
     return torch.stack(losses).sum(), torch.cat(all_logits)
+
+
+def mean_logits(out):
+    """The logits of a forward: the mean of the two heads' when a distillation-token
+    model returns (class logits, distillation logits) in training (as it does in
+    eval), else `out`."""
+    return (out[0] + out[1]) / 2 if isinstance(out, tuple) else out
 
 
 def train_step(parts, inputs, targets, weight=1.0):

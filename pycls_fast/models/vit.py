@@ -61,6 +61,7 @@ class ViTParams:
     attention: str = "auto"
     drop_path: float = 0.0
     layer_scale: float = 0.0
+    distill_token: bool = False
 
     @staticmethod
     def from_cfg(cfg: CfgNode) -> "ViTParams":
@@ -86,13 +87,19 @@ class ViTParams:
             attention=cfg.VIT.ATTENTION,
             drop_path=cfg.VIT.DROP_PATH,
             layer_scale=cfg.VIT.LAYER_SCALE,
+            distill_token=cfg.VIT.DISTILL_TOKEN,
         )
 
     @property
+    def num_prefix(self) -> int:
+        """Tokens before the patches: the class token, then DeiT's distillation
+        token."""
+        return int(self.cls_type == "token") + int(self.distill_token)
+
+    @property
     def seq_len(self) -> int:
-        """Number of tokens: patches, plus one for the class token."""
-        n = (self.image_size // self.patch_size) ** 2
-        return n + 1 if self.cls_type == "token" else n
+        """Number of tokens: patches, plus the class and distillation tokens."""
+        return (self.image_size // self.patch_size) ** 2 + self.num_prefix
 
 
 class ViTHead(nn.Module):
@@ -346,7 +353,9 @@ class ViT(nn.Module):
     """Vision transformer: stem, tokens (+ class token) + positions, encoder, head.
 
     forward: images (batch, 3, image_size, image_size), float -> logits
-    (batch, num_classes), in the compute dtype.
+    (batch, num_classes), in the compute dtype. With DeiT's distillation token
+    (p.distill_token) a second head reads that token: in training forward returns
+    (class-token logits, distillation-token logits), in eval their mean.
     """
 
     def __init__(self, p: ViTParams) -> None:
@@ -369,6 +378,11 @@ class ViT(nn.Module):
             self.class_token = nn.Parameter(torch.zeros(1, 1, p.hidden_d))
         else:
             self.class_token = None
+        if p.distill_token:
+            self.dist_token = nn.Parameter(torch.zeros(1, 1, p.hidden_d))
+            self.head_dist = ViTHead(p.hidden_d, p.num_classes)
+        else:
+            self.dist_token = self.head_dist = None
         # Stored (1, seq, hidden) in both layouts, so checkpoints do not depend on it.
         self.pos_embedding = nn.Parameter(torch.zeros(1, p.seq_len, p.hidden_d))
         self.encoder = ViTEncoder(p)
@@ -381,19 +395,27 @@ class ViT(nn.Module):
         # One copy to a contiguous token tensor here: left strided, the residual stream
         # stays strided through every block, so that each LayerNorm (forward and
         # backward) copies it and each residual add runs on strided memory.
+        prefix = [t for t in (self.class_token, self.dist_token) if t is not None]
         if self.batch_first:
             x = x.transpose(1, 2).contiguous()  # (n, seq, hidden_d)
-            if self.class_token is not None:
-                x = torch.cat([self.class_token.expand(x.size(0), -1, -1), x], dim=1)
+            if prefix:
+                x = torch.cat([t.expand(x.size(0), -1, -1) for t in prefix] + [x], 1)
             x = self.encoder(x + self.pos_embedding)
-            x = x[:, 0] if self.class_token is not None else x.mean(dim=1)
+            tokens = x[:, 0] if self.class_token is not None else x.mean(dim=1)
+            dist = x[:, 1] if self.dist_token is not None else None
         else:
             x = x.permute(2, 0, 1).contiguous()  # (seq, n, hidden_d)
-            if self.class_token is not None:
-                x = torch.cat([self.class_token.expand(-1, x.size(1), -1), x], dim=0)
+            if prefix:
+                x = torch.cat([t.expand(-1, x.size(1), -1) for t in prefix] + [x], 0)
             x = self.encoder(x + self.pos_embedding.transpose(0, 1))
-            x = x[0] if self.class_token is not None else x.mean(dim=0)
-        return self.head(x)
+            tokens = x[0] if self.class_token is not None else x.mean(dim=0)
+            dist = x[1] if self.dist_token is not None else None
+        if dist is None:
+            return self.head(tokens)
+        logits, dist_logits = self.head(tokens), self.head_dist(dist)
+        if self.training:
+            return logits, dist_logits
+        return (logits + dist_logits) / 2
 
     @staticmethod
     def complexity(p: ViTParams) -> dict[str, int]:
@@ -404,13 +426,14 @@ class ViT(nn.Module):
         else:
             ks, ws, ss = p.c_stem_kernels, p.c_stem_dims, p.c_stem_strides
             cx = ViTStemConv.complexity(cx, 3, ks, ws, ss)
-        if p.cls_type == "token":
-            cx["params"] += p.hidden_d
+        cx["params"] += p.num_prefix * p.hidden_d  # class and distillation tokens
         cx["params"] += p.seq_len * p.hidden_d  # position embeddings
         cx = ViTEncoder.complexity(
             cx, p.n_layers, p.hidden_d, p.n_heads, p.mlp_d, p.seq_len, p.layer_scale > 0
         )
         cx = ViTHead.complexity(cx, p.hidden_d, p.num_classes)
+        if p.distill_token:
+            cx = ViTHead.complexity(cx, p.hidden_d, p.num_classes)
         return {"params": cx["params"], "flops": cx["flops"], "acts": cx["acts"]}
 
 
@@ -444,3 +467,5 @@ def init_weights_vit(model: nn.Module) -> None:
                 init.zeros_(m.weight)
                 init.zeros_(m.bias)
     init.normal_(model.pos_embedding, mean=0.0, std=0.02)
+    if getattr(model, "dist_token", None) is not None:
+        init.trunc_normal_(model.dist_token, std=0.02)  # DeiT's init

@@ -19,7 +19,7 @@ LAYERS = [
     ["pycls_fast.datasets"],
     ["pycls_fast.core"],  # the components: distributed, precision, parallel, ...
     ["pycls_fast.core.preemption"],
-    ["pycls_fast.core.checkpoint"],
+    ["pycls_fast.core.checkpoint", "pycls_fast.core.distill"],
     ["pycls_fast.core.trainer"],
     ["pycls_fast.core.timing"],  # times the trainer's step
     ["pycls_fast.core.launch"],

@@ -53,7 +53,8 @@ POS = "pos_embedding"
 
 def _grid(seq_len: int) -> tuple[int, int]:
     """(grid side, prefix tokens) of a position embedding of `seq_len` tokens: a square
-    grid of patches after 0 (pooled classifier) or 1 (class token) prefix tokens."""
+    grid of patches after 0 (pooled classifier), 1 (class token) or 2 (and DeiT's
+    distillation token) prefix tokens."""
     side = math.isqrt(seq_len)
     return side, seq_len - side * side
 
@@ -68,7 +69,7 @@ def resample_pos_embedding(state: dict, ours: dict) -> str | None:
     if old.shape == new.shape or old.dim() != 3 or old.shape[2] != new.shape[2]:
         return None
     (g_old, prefix_old), (g_new, prefix_new) = _grid(old.shape[1]), _grid(new.shape[1])
-    if prefix_old != prefix_new or prefix_old > 1:
+    if prefix_old != prefix_new or prefix_old > 2:
         return None  # another classifier type: _misfit names the shapes
     from timm.layers import resample_abs_pos_embed
 
