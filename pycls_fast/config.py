@@ -605,6 +605,19 @@ _key("TEST.SPLIT", "val")
 # Total mini-batch size, over all processes
 _key("TEST.BATCH_SIZE", 200, gt=0)
 
+# pycls_fast: test_net evaluates at each of these crop sizes (the model built at that
+# size, its position embedding interpolated; the resize keeps the crop ratio
+# TRAIN.IM_SIZE / TEST.IM_SIZE); [] = TRAIN.IM_SIZE only
+_key("TEST.SIZES", [])
+
+# pycls_fast: test_net also evaluates on these split folders of DATA.PATH (e.g. an
+# ImageNet-V2 folder, whose class folders 0..999 are read as label numbers)
+_key("TEST.EXTRA_SPLITS", [])
+
+# pycls_fast: ImageNet-ReaL labels (real.json, brought by the user): test_net also
+# reports top-1 under them for TEST.SPLIT (images named ILSVRC2012_val_<number>)
+_key("TEST.REAL_LABELS", "")
+
 # Resize the shorter side to this size, then center-crop TRAIN.IM_SIZE (pycls)
 _key("TEST.IM_SIZE", 256, gt=0)
 
@@ -1239,6 +1252,12 @@ def check_cfg(cfg: CfgNode) -> None:
                 f"({cfg.NUM_GPUS})"
             )
     _check_distill(cfg)
+    for size in cfg.TEST.SIZES:
+        if not isinstance(size, int) or size <= 0 or size % cfg.VIT.PATCH_SIZE:
+            raise ConfigError(
+                f"TEST.SIZES: {size!r} is not a positive multiple of VIT.PATCH_SIZE "
+                f"({cfg.VIT.PATCH_SIZE})"
+            )
     per_rank = cfg.TRAIN.BATCH_SIZE // cfg.NUM_GPUS
     if per_rank % cfg.TRAIN.ACCUM_STEPS:
         raise ConfigError(

@@ -7,10 +7,13 @@ KEY VALUE pairs override config keys. TEST.WEIGHTS is a checkpoint file, a shard
 (FSDP) checkpoint directory, or a run or checkpoints folder (its newest complete
 checkpoint). `--run OUT_DIR` evaluates a finished run: its config.yaml, its newest
 complete checkpoint (the best with --best), the log in OUT_DIR/eval/. Runs under
-torchrun or with NUM_GPUS N like train_net."""
+torchrun or with NUM_GPUS N like train_net. TEST.SIZES, TEST.EXTRA_SPLITS and
+TEST.REAL_LABELS evaluate at several resolutions, on more test sets (ImageNet-V2) and
+with ImageNet-ReaL labels in one run, and print a table."""
 
-from pycls_fast.config import check_launch
+from pycls_fast.config import check_launch, with_overrides
 from pycls_fast.core.cli import cfg_from_args, config_parser, run
+from pycls_fast.core.evaluation import evaluate_model, format_table
 from pycls_fast.core.submit import submit_or_launch
 from pycls_fast.core.trainer import test_model
 from pycls_fast.datasets.loader import check_data
@@ -23,6 +26,13 @@ def main():
     cfg = cfg_from_args(parser.parse_args())
     check_launch(cfg)  # what to run is refused before what to read
     check_data(cfg, ("test",))  # once, before any rank starts
+    for split in cfg.TEST.EXTRA_SPLITS:
+        check_data(with_overrides(cfg, {"TEST.SPLIT": split}), ("test",))
+    if cfg.TEST.SIZES or cfg.TEST.EXTRA_SPLITS or cfg.TEST.REAL_LABELS:
+        records = submit_or_launch(evaluate_model, cfg)
+        if records is not None:  # rank 0
+            print(format_table(records), flush=True)
+        return
     record = submit_or_launch(test_model, cfg)
     if record is None:  # not rank 0
         return

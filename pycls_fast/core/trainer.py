@@ -112,6 +112,16 @@ class Components:
     # DeiT's distillation (DISTILL.*): the teacher and its loss; None without.
     distiller: Distiller | None = None
 
+    def attach_test_loader(self, cfg: CfgNode) -> None:
+        """Builds the test loader of `cfg` (TEST.SPLIT, sizes) and its device-side
+        preparation into these components."""
+        dtype = input_dtype(self.mode, self.half_dtype)
+        self.test_loader = construct_test_loader(cfg)
+        self.test_prep = DeviceBatchTransform(
+            cfg, self.device, dtype, False, distributed.rank()
+        )
+        self.test_batches = DevicePrefetcher(self.test_loader, self.test_prep)
+
 
 def seed_everything(seed):
     """Seeds Python, numpy and torch: CPU runs are then bit-for-bit reproducible."""
@@ -234,9 +244,7 @@ def build_components(
         parts.train_prep = DeviceBatchTransform(cfg, device, dtype, True, rank)
         parts.train_batches = DevicePrefetcher(parts.train_loader, parts.train_prep)
     if "test" in (loaders or ()):
-        parts.test_loader = construct_test_loader(cfg)
-        parts.test_prep = DeviceBatchTransform(cfg, device, dtype, False, rank)
-        parts.test_batches = DevicePrefetcher(parts.test_loader, parts.test_prep)
+        parts.attach_test_loader(cfg)
     return parts
 
 
@@ -464,9 +472,10 @@ def _pad_sharded_forwards(parts, model, done):
 
 
 @torch.no_grad()
-def test_epoch(parts, model, epoch, kind="test_epoch", label=None):
+def test_epoch(parts, model, epoch, kind="test_epoch", label=None, extra=None):
     """Evaluates `model` on the test split; returns its stats record (`kind`) whose
-    "epoch" is `label`, or "epoch + 1/OPTIM.MAX_EPOCH" without one."""
+    "epoch" is `label`, or "epoch + 1/OPTIM.MAX_EPOCH" without one; `extra` fields
+    are added to it before it is logged."""
     cfg = parts.cfg
     model.eval()
     meter = EpochMeter()
@@ -492,6 +501,7 @@ def test_epoch(parts, model, epoch, kind="test_epoch", label=None):
         "img_per_s": stats["img_per_s"],
         "time_epoch_s": meter.elapsed(),
         "mem_mb": memory_mb(parts.device),
+        **(extra or {}),
     }
     log_json_stats(record)
     return record
@@ -646,9 +656,10 @@ def _epochs(parts, manager, results, start_epoch, start_iter, on_iter_end, remot
             remote.push()
 
 
-def test_model(cfg):
-    """Evaluates TEST.WEIGHTS (a checkpoint file or sharded directory) on the test
-    split, on every rank of the job; returns the test_epoch record."""
+def prepare_test(cfg):
+    """Sets up an evaluation run (output folder, logging, seeds) and finds the
+    checkpoint TEST.WEIGHTS names; returns (cfg with the channel order resolved,
+    checkpoint path)."""
     setup_run(cfg)
     distributed.check_same_config(cfg)
     seed_everything(cfg.RNG_SEED)
@@ -657,7 +668,13 @@ def test_model(cfg):
     path, how = files.resolve_weights(cfg.TEST.WEIGHTS)
     if how != "given":
         logger.info("TEST.WEIGHTS %s: %s", cfg.TEST.WEIGHTS, how)
-    cfg = resolve_channel_order(cfg, path)
+    return resolve_channel_order(cfg, path), path
+
+
+def test_model(cfg):
+    """Evaluates TEST.WEIGHTS (a checkpoint file or sharded directory) on the test
+    split, on every rank of the job; returns the test_epoch record."""
+    cfg, path = prepare_test(cfg)
     # Loaded before wrapping or sharding; load_state_dict copies into the model as
     # built, in its dtypes.
     parts = build_components(

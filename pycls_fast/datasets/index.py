@@ -1,11 +1,12 @@
 """File index of an ImageNet-layout folder (`<root>/<split>/<class>/<image>`), cached.
 
 Classes are the sub-folders of the split, sorted by name (WordNet ids such as
-`n01440764` sort into ImageNet's usual label order); images are the files with an image
-extension, sorted by name. File names are kept as one numpy bytes array relative to
-their class folder, and labels as int32, not as Python objects: 1.28M ImageNet images
-take ~25 MB of names and 5 MB of labels, and building the index holds at most one
-class folder's names as Python strings (peak memory: docs/PERFORMANCE.md, "File
+`n01440764` sort into ImageNet's usual label order), or by number when every folder is
+named by one (ImageNet-V2's `0` .. `999` are label numbers); images are the files with
+an image extension, sorted by name. File names are kept as one numpy bytes array
+relative to their class folder, and labels as int32, not as Python objects: 1.28M
+ImageNet images take ~25 MB of names and 5 MB of labels, and building the index holds at
+most one class folder's names as Python strings (peak memory: docs/PERFORMANCE.md, "File
 index"). Forked worker processes share the arrays' pages, as they touch no reference
 counts.
 """
@@ -57,9 +58,10 @@ def _class_dirs(split_dir):
     if not os.path.isdir(split_dir):
         raise UserError(f"dataset split folder not found: {split_dir}")
     with os.scandir(split_dir) as it:
-        classes = sorted(
-            e.name for e in it if e.is_dir() and not e.name.startswith(".")
-        )
+        names = [e.name for e in it if e.is_dir() and not e.name.startswith(".")]
+    # Folders named by label number (ImageNet-V2's 0..999) sort as numbers.
+    numeric = bool(names) and all(n.isdigit() for n in names)
+    classes = sorted(names, key=int) if numeric else sorted(names)
     if not classes:
         raise UserError(
             f"no class folders in {split_dir} (expected <split>/<class>/<image>)"

@@ -302,7 +302,8 @@ def construct_test_loader(cfg, rank=None, world_size=None):
         train_classes = sorted(
             e.name for e in os.scandir(train_dir) if e.is_dir() and e.name[0] != "."
         )
-        if train_classes != index.classes:
+        by_number = index.classes == [str(i) for i in range(len(train_classes))]
+        if train_classes != index.classes and not by_number:
             raise UserError(
                 f"class folders of {index.split_dir} differ from those of {train_dir}"
             )

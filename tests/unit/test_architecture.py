@@ -21,7 +21,7 @@ LAYERS = [
     ["pycls_fast.core.preemption"],
     ["pycls_fast.core.checkpoint", "pycls_fast.core.distill"],
     ["pycls_fast.core.trainer"],
-    ["pycls_fast.core.timing"],  # times the trainer's step
+    ["pycls_fast.core.timing", "pycls_fast.core.evaluation"],  # use the trainer
     ["pycls_fast.core.launch"],
     ["pycls_fast.core.submit"],  # submits what launch runs, through submitit
     ["pycls_fast.core.cli"],
