@@ -13,6 +13,8 @@ KEY VALUE overrides apply to every config."""
 import json
 import os
 
+import torch
+
 from pycls_fast.config import load_cfg
 from pycls_fast.core.cli import config_parser, require_config, run, run_config_file
 from pycls_fast.models import build_model, complexity
@@ -53,7 +55,10 @@ def main():
             print(json.dumps(record))
             continue
         if not args.summary:
-            print(build_model(cfg))
+            # On the meta device: the module tree without allocating the weights
+            # (a ViT-22B would need 87 GB).
+            with torch.device("meta"):
+                print(build_model(cfg))
         print(summary_line(os.path.splitext(os.path.basename(path))[0], cfg, cx))
 
 

@@ -61,6 +61,10 @@ def test_info_net_prints_the_model_without_flags():
     assert result.returncode == 0, result.stderr
     assert "ViTEncoderBlock" in result.stdout
     assert result.stdout.strip().splitlines()[-1].startswith("ViT-Ti-16: params")
+    # A 22B-parameter model's tree prints without allocating its weights (meta).
+    result = run_tool("info_net.py", "--cfg", "configs/vit/ViT-22B-14.yaml")
+    assert result.returncode == 0, result.stderr
+    assert "ViT-22B-14: params 21,758,454,760" in result.stdout
 
 
 @pytest.mark.parametrize(

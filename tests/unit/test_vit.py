@@ -192,3 +192,16 @@ def test_layer_scale_scales_each_branch_and_is_counted():
         block.ls_2.gamma.zero_()
     x = torch.randn(17, 2, 48)
     assert torch.equal(block.eval()(x), x)
+
+
+@pytest.mark.parametrize(
+    "name, paper, tol",
+    [("g", 1011e6, 0.005), ("G", 1843e6, 0.005), ("22B", 21.7e9, 0.005),
+     # PaLI gives ViT-e as "3.9B"; its published dimensions give 3.81B.
+     ("e", 3.9e9, 0.03)],
+)  # fmt: skip
+def test_large_configs_have_the_papers_parameter_counts(name, paper, tol):
+    cfg = load_cfg(os.path.join(ROOT, "configs", "vit", f"ViT-{name}-14.yaml"), [])
+    head = cfg.VIT.HIDDEN_DIM * 1000 + 1000  # the papers count the backbone
+    params = complexity(cfg)["params"] - head
+    assert abs(params - paper) / paper < tol, params
