@@ -6,7 +6,8 @@ module brings them to the remote store and back:
 - `pull()` before the run: every file but the checkpoints, then the newest complete
   checkpoint (and the best one that `best.json` names), so that the run resumes and
   its logs continue;
-- `push_checkpoint(path)` after each save: a single-file checkpoint is one upload (an
+- `push_checkpoint(path)` after each save: the logs go up first, so that a checkpoint
+  on the store always has the logs up to it; a single-file checkpoint is one upload (an
   object store makes it visible whole or not at all); a sharded (DCP) directory is
   uploaded file by file with `.metadata` last, by which readers know it complete.
   Then the retention rule (TRAIN.CHECKPOINT_KEEP, the best kept) is applied to the
@@ -139,8 +140,9 @@ class RemoteOut:
         rel = posixpath.join(CHECKPOINTS, name)
         if not name.endswith(SHARDED_SUFFIX):
             if main:
+                self.push()  # the logs first: a visible checkpoint has its logs
                 self.fs.put_file(path, self._remote(rel))
-                self.finish_checkpoint(path)
+                self._after_upload(name)
             return
         for file in sorted(os.listdir(path)):
             mine = file.startswith(f"__{rank}_")
@@ -150,13 +152,16 @@ class RemoteOut:
             self.fs.put_file(os.path.join(path, file), self._remote(f"{rel}/{file}"))
 
     def finish_checkpoint(self, path: str) -> None:
-        """The main rank, once every part of `path` is up: `.metadata` of a sharded
-        checkpoint (which makes it complete), best.json, then retention."""
+        """The main rank, once every part of the sharded checkpoint `path` is up: the
+        logs and best.json, then its `.metadata` (which makes it complete), then
+        retention."""
         name = os.path.basename(path)
-        if name.endswith(SHARDED_SUFFIX):
-            meta = posixpath.join(CHECKPOINTS, name, ".metadata")
-            self.fs.put_file(os.path.join(path, ".metadata"), self._remote(meta))
-        self.push()  # best.json and the logs of the run so far
+        self.push()  # the logs first: a complete checkpoint has its logs
+        meta = posixpath.join(CHECKPOINTS, name, ".metadata")
+        self.fs.put_file(os.path.join(path, ".metadata"), self._remote(meta))
+        self._after_upload(name)
+
+    def _after_upload(self, name):
         logger.info("uploaded checkpoint %s to %s", name, self.url)
         best = read_best(self.local)
         protected = {best["checkpoint"]} if best else set()
