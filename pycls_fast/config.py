@@ -351,7 +351,7 @@ _key(
 ATTENTION_NEEDS_HALF = ("sdpa_flash", "sdpa_cudnn")
 
 # pycls_fast: LayerScale initial value (DeiT III: a learned per-channel scale of each
-# residual branch; 1e-4 for ViT-S/B, 1e-5 for larger); 0 = off
+# residual branch, 1e-4 at every size; weight-decayed as LN); 0 = off
 _key("VIT.LAYER_SCALE", 0.0, ge=0)
 
 # pycls_fast: DeiT's distillation token: a second token and head trained against the
@@ -396,7 +396,8 @@ _key("LN.EPS", 1e-5, gt=0)
 # Use a different weight decay for LN layers
 _key("LN.USE_CUSTOM_WEIGHT_DECAY", False)
 
-# The weight decay for LN layers when USE_CUSTOM_WEIGHT_DECAY is on
+# The weight decay for LN layers (and LayerScale gammas) when USE_CUSTOM_WEIGHT_DECAY
+# is on
 _key("LN.CUSTOM_WEIGHT_DECAY", 0.0)
 
 

@@ -19,6 +19,8 @@ from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from yacs.config import CfgNode
 
+from pycls_fast.models.vit import LayerScale
+
 
 def layer_id(name: str, num_layers: int) -> int:
     """The depth of a ViT parameter for layer-wise learning-rate decay, as timm's
@@ -39,10 +41,11 @@ def param_groups(model: nn.Module, cfg: CfgNode) -> list[dict[str, Any]]:
     """Splits trainable parameters into pycls's weight-decay groups.
 
     Returns a list of {"params": [...], "weight_decay": wd, "lr_scale": s, "name":
-    ...}: BN and LN parameters use BN/LN.CUSTOM_WEIGHT_DECAY when enabled, other
-    biases use OPTIM.BIAS_CUSTOM_WEIGHT_DECAY when enabled, the rest (class token and
-    position embeddings included, as in pycls) OPTIM.WEIGHT_DECAY. With
-    OPTIM.LAYER_DECAY d < 1 each group is split by depth (`layer_id`), with
+    ...}: BN and LN parameters use BN/LN.CUSTOM_WEIGHT_DECAY when enabled (LayerScale
+    gammas count as LN: per-channel scales, undecayed in DeiT III), other biases use
+    OPTIM.BIAS_CUSTOM_WEIGHT_DECAY when enabled, the rest (class token and position
+    embeddings included, as in pycls) OPTIM.WEIGHT_DECAY. With OPTIM.LAYER_DECAY
+    d < 1 each group is split by depth (`layer_id`), with
     lr_scale = d ** (num_layers + 1 - depth); `set_lr` applies it.
     """
     wd = cfg.OPTIM.WEIGHT_DECAY
@@ -63,7 +66,9 @@ def param_groups(model: nn.Module, cfg: CfgNode) -> list[dict[str, Any]]:
                 continue
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 kind = "bn"
-            elif isinstance(module, nn.LayerNorm):
+            elif isinstance(module, (nn.LayerNorm, LayerScale)):
+                # DeiT III (timm) decays no 1-D parameter: a LayerScale gamma pulled
+                # towards 0 would switch its branch off.
                 kind = "ln"
             elif name == "bias":
                 kind = "bias"

@@ -87,3 +87,31 @@ def test_each_step_uses_the_scaled_learning_rate(mta):
     assert {round(g["lr"] / lr, 6) for g in parts.optimizer.param_groups} == {
         round(0.5**k, 6) for k in range(4)
     }
+
+
+def test_weight_decay_is_timms_with_layer_scale():
+    # DeiT III's groups (timm): no decay on 1-D parameters, LayerScale gammas included.
+    # pycls_fast's: the same with LN / bias decay 0, except the position embedding and
+    # class token, which pycls decays.
+    cfg = tiny_cfg("VIT.LAYER_SCALE", "1e-4", "OPTIM.LAYER_DECAY", "0.65",
+                   "VIT.NUM_LAYERS", "3", "OPTIM.WEIGHT_DECAY", "0.05",
+                   "LN.USE_CUSTOM_WEIGHT_DECAY", "True", "LN.CUSTOM_WEIGHT_DECAY", "0",
+                   "OPTIM.BIAS_USE_CUSTOM_WEIGHT_DECAY", "True",
+                   "OPTIM.BIAS_CUSTOM_WEIGHT_DECAY", "0")  # fmt: skip
+    ours = build_model(cfg)
+    groups = param_groups(ours, cfg)
+    names = {id(p): n for n, p in ours.named_parameters()}
+    got = {names[id(p)]: g["weight_decay"] for g in groups for p in g["params"]}
+    timm_model = build_timm_vit(cfg)
+    timm_names = {id(p): n for n, p in timm_model.named_parameters()}
+    want = {
+        timm_names[id(p)]: g["weight_decay"]
+        for g in param_groups_layer_decay(timm_model, 0.05, layer_decay=0.65)
+        for p in g["params"]
+    }
+    assert got["encoder.block_0.ls_1.gamma"] == 0.0
+    for timm_name, our_name in _key_map(3, True, layer_scale=True):
+        if timm_name in ("pos_embed", "cls_token"):
+            assert got[our_name] == 0.05
+        else:
+            assert got[our_name] == want[timm_name], our_name
