@@ -553,6 +553,11 @@ _key("TRAIN.LOSS", "ce", choices=["ce", "bce"])
 # target_threshold, e.g. 0.2 with mixup); 0 = soft targets as they are
 _key("TRAIN.BCE_TARGET_THRESH", 0.0, ge=0, lt=1)
 
+# pycls_fast: TRAIN.LOSS bce: every class with a target above 0 becomes 1 (DeiT III's
+# `targets.gt(0.0)` after mixup / cutmix: both mixed classes are positives; timm's
+# target_threshold 0); needs TRAIN.BCE_TARGET_THRESH 0
+_key("TRAIN.BCE_BINARY_TARGETS", False)
+
 # Label smoothing value in 0 to 1 (0 gives no smoothing)
 _key("TRAIN.LABEL_SMOOTHING", 0.0, ge=0, lt=1)
 
@@ -1253,6 +1258,11 @@ def check_cfg(cfg: CfgNode) -> None:
                 f"({cfg.NUM_GPUS})"
             )
     _check_distill(cfg)
+    if cfg.TRAIN.BCE_BINARY_TARGETS and cfg.TRAIN.BCE_TARGET_THRESH:
+        raise ConfigError(
+            "TRAIN.BCE_BINARY_TARGETS True is the threshold 0: leave "
+            "TRAIN.BCE_TARGET_THRESH at 0"
+        )
     for size in cfg.TEST.SIZES:
         if not isinstance(size, int) or size <= 0 or size % cfg.VIT.PATCH_SIZE:
             raise ConfigError(

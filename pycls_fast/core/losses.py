@@ -20,7 +20,12 @@ def build_loss(cfg: CfgNode) -> Loss:
         return F.cross_entropy
     from timm.loss import BinaryCrossEntropy
 
-    thresh = cfg.TRAIN.BCE_TARGET_THRESH or None
+    # timm binarizes with target > threshold whenever the threshold is not None: 0.0
+    # is DeiT III's binary targets, and None keeps the soft ones.
+    if cfg.TRAIN.BCE_BINARY_TARGETS:
+        thresh = 0.0
+    else:
+        thresh = cfg.TRAIN.BCE_TARGET_THRESH or None
     # No smoothing here: label smoothing and mixup already shaped dense targets on the
     # device, and labels without them are one-hot (0 / 1), as DeiT III trains.
     return BinaryCrossEntropy(smoothing=0.0, target_threshold=thresh)

@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from timm.loss import BinaryCrossEntropy
 
-from pycls_fast.config import get_cfg
+from pycls_fast.config import check_cfg, get_cfg
 from pycls_fast.core.losses import build_loss
 from pycls_fast.datasets.device import DeviceBatchTransform
+from pycls_fast.errors import ConfigError
 
 
 def _batch(cfg):
@@ -46,3 +47,29 @@ def test_ce_is_cross_entropy():
     assert torch.equal(
         build_loss(cfg)(logits, targets), F.cross_entropy(logits, targets)
     )
+
+
+def test_bce_binary_targets_are_deit3s():
+    # DeiT III (engine.py, --bce-loss): targets.gt(0.0) after mixup / cutmix, then
+    # BCEWithLogitsLoss; timm's loss with target_threshold 0.0.
+    cfg = get_cfg()
+    cfg.MODEL.NUM_CLASSES, cfg.TRAIN.PCA_STD = 5, 0.0
+    cfg.TRAIN.MIXUP_ALPHA, cfg.TRAIN.CUTMIX_ALPHA = 0.8, 1.0
+    cfg.TRAIN.LOSS, cfg.TRAIN.BCE_BINARY_TARGETS = "bce", True
+    logits, targets = _batch(cfg)
+    assert ((targets > 0) & (targets < 1)).any()  # mixed: soft before binarizing
+    got = build_loss(cfg)(logits, targets)
+    deit3 = F.binary_cross_entropy_with_logits(logits, targets.gt(0.0).float())
+    assert torch.equal(got, deit3)
+    assert torch.equal(
+        got, BinaryCrossEntropy(0.0, target_threshold=0.0)(logits, targets)
+    )
+    cfg.TRAIN.BCE_BINARY_TARGETS = False  # soft targets: another loss
+    assert not torch.equal(build_loss(cfg)(logits, targets), deit3)
+
+
+def test_bce_binary_targets_with_a_threshold_is_refused():
+    cfg = get_cfg()
+    cfg.TRAIN.BCE_BINARY_TARGETS, cfg.TRAIN.BCE_TARGET_THRESH = True, 0.2
+    with pytest.raises(ConfigError, match="TRAIN.BCE_BINARY_TARGETS True is the"):
+        check_cfg(cfg)
