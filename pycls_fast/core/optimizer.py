@@ -25,10 +25,10 @@ from pycls_fast.models.vit import LayerScale
 def layer_id(name: str, num_layers: int) -> int:
     """The depth of a ViT parameter for layer-wise learning-rate decay, as timm's
     `param_groups_layer_decay` assigns it for its VisionTransformer: 0 for the stem,
-    class token and position embedding, i + 1 for encoder block i, the last block's
-    for the final norm (timm groups `norm` with the blocks), num_layers + 1 for the
-    head."""
-    if name.startswith(("stem.", "class_token", "pos_embedding")):
+    class and distillation tokens and position embedding, i + 1 for encoder block i,
+    the last block's for the final norm (timm groups `norm` with the blocks),
+    num_layers + 1 for the heads."""
+    if name.startswith(("stem.", "class_token", "dist_token", "pos_embedding")):
         return 0
     if name.startswith("encoder.block_"):
         return int(name[len("encoder.block_") :].split(".")[0]) + 1

@@ -38,6 +38,33 @@ def test_lr_scales_are_timms(cls):
     assert got["encoder.ln.weight"] == got["encoder.block_2.ln_1.weight"] == 0.65
 
 
+def test_distillation_token_scales_are_timms():
+    # timm's VisionTransformerDistilled: the distillation token with the stem, its
+    # head with the head.
+    from timm.models.deit import VisionTransformerDistilled
+
+    cfg = tiny_cfg("VIT.DISTILL_TOKEN", "True", "DISTILL.TYPE", "hard",
+                   "DISTILL.TEACHER_CFG", "t.yaml", "DISTILL.TEACHER_WEIGHTS", "t.pyth",
+                   "OPTIM.LAYER_DECAY", "0.65")  # fmt: skip
+    ours = build_model(cfg)
+    got = _scales_by_name(ours, param_groups(ours, cfg))
+    timm_model = VisionTransformerDistilled(
+        img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=2, num_classes=10
+    )
+    want = _scales_by_name(
+        timm_model, param_groups_layer_decay(timm_model, 0.05, layer_decay=0.65)
+    )
+    pairs = [
+        ("dist_token", "dist_token"),
+        ("head_dist.weight", "head_dist.head_fc.weight"),
+        ("head_dist.bias", "head_dist.head_fc.bias"),
+        *_key_map(2, True),
+    ]
+    assert len(pairs) == len(got) == len(want)
+    for timm_name, our_name in pairs:
+        assert got[our_name] == pytest.approx(want[timm_name]), our_name
+
+
 def test_composes_with_the_weight_decay_groups():
     cfg = tiny_cfg("OPTIM.LAYER_DECAY", "0.5", "OPTIM.WEIGHT_DECAY", "0.05",
                    "LN.USE_CUSTOM_WEIGHT_DECAY", "True", "LN.CUSTOM_WEIGHT_DECAY", "0",
