@@ -209,3 +209,17 @@ def test_check_node_on_cpu_reports_every_check():
     }, rows
     table = result.stdout.splitlines()
     assert any(x.startswith("DDP vs FSDP, 2 CPU processes, gloo") for x in table)
+
+
+def test_plan_net_prints_each_layout_and_the_choice():
+    result = run_tool("plan_net.py", "--cfg", "configs/vit/ViT-22B-14.yaml",
+                      "--gpus", "8,64", "TRAIN.BATCH_SIZE", "4096")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plans = [line.strip() for line in result.stdout.splitlines() if "plan:" in line]
+    assert plans == [
+        "plan: none: needs tensor / pipeline parallelism",
+        "plan: fsdp+ac",
+    ]
+    bad = run_tool("plan_net.py", "--cfg", "configs/vit/ViT-22B-14.yaml", "--gpus", "x")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: --gpus: comma-separated integers, got x"

@@ -1,0 +1,49 @@
+#!/usr/bin/env python3
+"""Plans a run's layout: python tools/plan_net.py --cfg FILE --gpus 8,64 --gpu-gib 80
+
+Prints, for DDP, FSDP and FSDP with activation checkpointing, the predicted memory per
+rank (parameters, gradients, optimizer state, master weights, EMA, activations) of
+training the config on that many GPUs, and the fastest layout that fits
+(pycls_fast/core/planner.py; tensor and pipeline parallelism are not built yet).
+TRAIN.BATCH_SIZE is the global batch, as in training.
+"""
+
+import argparse
+import os
+
+from pycls_fast.config import load_cfg
+from pycls_fast.core.cli import run
+from pycls_fast.core.planner import format_plan, plan
+from pycls_fast.errors import UserError
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cfg", dest="cfg_file", required=True, action="append")
+    parser.add_argument(
+        "--gpus", default="8", help="GPU counts, comma separated (8,64,512)"
+    )
+    parser.add_argument("--gpu-gib", type=float, default=80.0)
+    parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE overrides")
+    args = parser.parse_args()
+    try:
+        args.gpus = [int(g) for g in args.gpus.split(",")]
+    except ValueError:
+        raise UserError(f"--gpus: comma-separated integers, got {args.gpus}") from None
+    if any(g <= 0 for g in args.gpus) or args.gpu_gib <= 0:
+        raise UserError("--gpus and --gpu-gib must be positive")
+    for path in args.cfg_file:
+        cfg = load_cfg(path, args.opts or [])
+        name = os.path.splitext(os.path.basename(path))[0]
+        for gpus in args.gpus:
+            if gpus > cfg.TRAIN.BATCH_SIZE:
+                raise UserError(
+                    f"TRAIN.BATCH_SIZE ({cfg.TRAIN.BATCH_SIZE}) is smaller than "
+                    f"--gpus {gpus}: give a global batch of at least one image per GPU"
+                )
+            best, rows = plan(cfg, gpus, args.gpu_gib)
+            print(format_plan(name, gpus, args.gpu_gib, best, rows))
+
+
+if __name__ == "__main__":
+    run(main)
