@@ -14,7 +14,8 @@ import argparse
 
 from pycls_fast.core.cli import run
 from pycls_fast.datasets.index import load_index
-from pycls_fast.datasets.pack import pack_split, print_progress
+from pycls_fast.datasets.pack import pack_split
+from pycls_fast.datasets.progress import progress_printer
 from pycls_fast.errors import UserError
 
 
@@ -45,7 +46,7 @@ def main():
             split,
             int(args.shard_mb * 2**20),
             args.seed,
-            print_progress(split),
+            progress_printer(f"packing {split}", "image"),
         )
         print(
             f"{split}: {meta['images']} images, {len(meta['classes'])} classes, "

@@ -16,6 +16,7 @@ import os
 from pycls_fast.core.cli import run
 from pycls_fast.datasets import prepare
 from pycls_fast.datasets.index import load_index
+from pycls_fast.datasets.progress import progress_printer
 from pycls_fast.errors import UserError
 
 
@@ -54,13 +55,13 @@ def main():
         raise UserError(f"--out {args.out} is not writable")
     if "train" in args.splits:
         n = prepare.extract_train(
-            named["train"], args.out, prepare.progress_printer("train classes")
+            named["train"], args.out, progress_printer("train", "class")
         )
         print(f"train: {n} classes extracted now")
     if "val" in args.splits:
         _, val_wnids = prepare.parse_devkit(named["devkit"], not args.no_md5)
         n = prepare.extract_val(
-            named["val"], args.out, val_wnids, prepare.progress_printer("val images")
+            named["val"], args.out, val_wnids, progress_printer("val", "image")
         )
         print(f"val: {n} images written now")
     classes = None

@@ -13,10 +13,8 @@ import io
 import json
 import os
 import shutil
-import sys
 import tarfile
 import tempfile
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -162,36 +160,3 @@ def _write_index(split_dir, meta, arrays):
         with open(js, "w") as f:
             json.dump(meta, f, indent=1)
         _publish(js, storage.join(split_dir, META_FILE))
-
-
-def print_progress(split: str) -> Callable[[int, int], None]:
-    """A progress callback: a tqdm bar on a terminal, else a line per shard."""
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(desc=f"packing {split}", unit="img")
-
-        def update(done, total):
-            bar.total = total
-            bar.update(done - bar.n)
-            if done == total:
-                bar.close()
-
-        return update
-
-    start = time.monotonic()
-    first = []
-
-    def line(done, total):
-        if not first:  # A resumed run's first shard was already there.
-            first.append(done)
-            return
-        rate = (done - first[0]) / max(time.monotonic() - start, 1e-9)
-        left = (total - done) / rate if rate > 0 else 0.0
-        print(
-            f"packing {split}: {done}/{total} images, ~{left:.0f} s left",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    return line

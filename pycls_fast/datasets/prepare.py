@@ -16,10 +16,8 @@ archive first, so no second copy on disk).
 import contextlib
 import os
 import shutil
-import sys
 import tarfile
 import tempfile
-import time
 from collections.abc import Callable
 from unittest import mock
 
@@ -146,34 +144,3 @@ def extract_val(
                 progress(k + 1, len(members))
     open(os.path.join(split, DONE), "w").close()
     return written
-
-
-def progress_printer(what: str) -> Callable[[int, int], None]:
-    """A progress callback: a tqdm bar on a terminal, else a line every 5% with the
-    time left."""
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(desc=what, unit="item")
-
-        def update(done, total):
-            bar.total = total
-            bar.update(done - bar.n)
-            if done == total:
-                bar.close()
-
-        return update
-    start, last = time.monotonic(), [-1]
-
-    def line(done, total):
-        step = max(total // 20, 1)
-        if done // step == last[0] // step and done != total:
-            return
-        last[0] = done
-        elapsed = time.monotonic() - start
-        left = elapsed / done * (total - done) if done else 0.0
-        print(
-            f"{what}: {done}/{total}, ~{left:.0f} s left", file=sys.stderr, flush=True
-        )
-
-    return line
