@@ -91,17 +91,21 @@ def make_tree(root: str, classes: int, per_class: int) -> str:
     return root
 
 
+# Both child scripts: resident memory from /proc (VmRSS now, VmHWM the peak).
+_STATUS = r"""
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+"""
+
 # Runs in a fresh interpreter: imports first, then the measured construction.
 _CHILD = r"""
 import json, os, sys, time
 from pycls_fast.config import load_cfg
 from pycls_fast.datasets.loader import construct_train_loader
 
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
 
 cfg = load_cfg(None, json.loads(sys.argv[1]))
 with open("/proc/self/clear_refs", "w") as f:
@@ -123,11 +127,6 @@ import json, time
 import numpy as np
 from pycls_fast.datasets import sharding
 
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
 
 n, out = 14_197_122, {}
 counts = np.full(6000, n // 6000)
@@ -153,7 +152,10 @@ print(json.dumps(out))
 def measure_plans() -> dict:
     """Time and added peak memory of the epoch plans at 14.2M images."""
     out = subprocess.run(
-        [sys.executable, "-c", _PLAN_CHILD], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-c", _STATUS + _PLAN_CHILD],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     if out.returncode:
         raise RuntimeError(f"plan measurement failed:\n{out.stderr[-2000:]}")
@@ -163,7 +165,7 @@ def measure_plans() -> dict:
 def measure_construction(opts: list[str]) -> dict:
     """Runs _CHILD with config `opts`; returns its figures."""
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(opts)],
+        [sys.executable, "-c", _STATUS + _CHILD, json.dumps(opts)],
         capture_output=True,
         text=True,
         cwd=ROOT,
