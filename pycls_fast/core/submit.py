@@ -74,7 +74,10 @@ def rank_environment(
     job_id: str, global_rank: int, local_rank: int, tasks: int, nodes: int, master: str
 ) -> dict[str, str]:
     """torch.distributed's env:// variables of one task of a job. The port is derived
-    from the job id, so that jobs sharing a node do not collide."""
+    from the job id, so that jobs sharing a node do not collide, and kept in
+    10000-29999, below Linux's ephemeral ports (32768 and up): a port there can be
+    taken by any outgoing connection, and the rendezvous then fails with
+    EADDRINUSE."""
     return {
         "RANK": str(global_rank),
         "WORLD_SIZE": str(tasks),
@@ -82,7 +85,7 @@ def rank_environment(
         "LOCAL_WORLD_SIZE": str(tasks // max(nodes, 1)),
         "MASTER_ADDR": master,
         "MASTER_PORT": str(
-            20000 + int("".join(c for c in job_id if c.isdigit()) or 0) % 20000
+            10000 + int("".join(c for c in job_id if c.isdigit()) or 0) % 20000
         ),  # fmt: skip
     }
 
