@@ -869,6 +869,31 @@ _key("FSDP.MIXED_PRECISION", False)
 _key("FSDP.ACTIVATION_CHECKPOINT", False)
 
 
+# ---------------------------- Tensor / pipeline parallel ---------------------------- #
+# pycls_fast: model parallelism for ViTs too large for data parallelism alone, on a
+# (pp, dp, tp) device mesh of NUM_GPUS = PP x DP x TP ranks (see docs/DISTRIBUTED.md)
+_C.PARALLEL = CfgNode()
+
+# Tensor-parallel ranks: each encoder block's heads and MLP columns split across them
+# (Megatron's column / row split, with DTensor); 1 = off
+_key("PARALLEL.TP", 1, gt=0)
+
+# With TP > 1: shard the token sequence across the tensor-parallel ranks around the
+# LayerNorms and residual adds (sequence parallelism: activations / TP there)
+_key("PARALLEL.SEQUENCE_PARALLEL", True)
+
+# Pipeline stages: the encoder split into PP stages of balanced cost (the stem with the
+# first, the head with the last); 1 = off
+_key("PARALLEL.PP", 1, gt=0)
+
+# Pipeline schedule: GPipe (all forwards, then all backwards), 1F1B (PipeDream-flush)
+# or interleaved 1F1B (two stages per rank)
+_key("PARALLEL.PP_SCHEDULE", "1f1b", choices=["gpipe", "1f1b", "interleaved"])
+
+# Micro-batches per step and data-parallel rank in a pipeline (0 = 2 x PP)
+_key("PARALLEL.PP_MICROBATCHES", 0, ge=0)
+
+
 # ------------------------------- Distributed options -------------------------------- #
 # pycls_fast: multi-process runs (see docs/DISTRIBUTED.md).
 _C.DIST = CfgNode()
@@ -1258,6 +1283,7 @@ def check_cfg(cfg: CfgNode) -> None:
                 f"({cfg.NUM_GPUS})"
             )
     _check_distill(cfg)
+    _check_parallel(cfg)
     if cfg.TRAIN.BCE_BINARY_TARGETS and cfg.TRAIN.BCE_TARGET_THRESH:
         raise ConfigError(
             "TRAIN.BCE_BINARY_TARGETS True is the threshold 0: leave "
@@ -1275,6 +1301,57 @@ def check_cfg(cfg: CfgNode) -> None:
             f"TRAIN.ACCUM_STEPS ({cfg.TRAIN.ACCUM_STEPS}) must divide each process's "
             f"batch (TRAIN.BATCH_SIZE / NUM_GPUS = {per_rank})"
         )
+
+
+def pp_microbatches(cfg: CfgNode) -> int:
+    """PARALLEL.PP_MICROBATCHES, its 0 resolved to 2 x PP."""
+    return cfg.PARALLEL.PP_MICROBATCHES or 2 * cfg.PARALLEL.PP
+
+
+def _check_parallel(cfg: CfgNode) -> None:
+    """NUM_GPUS = PP x DP x TP; the heads, widths and layers split evenly."""
+    tp, pp, vit = cfg.PARALLEL.TP, cfg.PARALLEL.PP, cfg.VIT
+    if cfg.NUM_GPUS % (tp * pp):
+        raise ConfigError(
+            f"NUM_GPUS ({cfg.NUM_GPUS}) must be a multiple of PARALLEL.TP x "
+            f"PARALLEL.PP ({tp} x {pp}): NUM_GPUS = PP x DP x TP"
+        )
+    for key, value in (("NUM_HEADS", vit.NUM_HEADS), ("MLP_DIM", vit.MLP_DIM)):
+        if value % tp:
+            raise ConfigError(
+                f"VIT.{key} ({value}) must be divisible by PARALLEL.TP ({tp})"
+            )
+    stages = pp * (2 if cfg.PARALLEL.PP_SCHEDULE == "interleaved" and pp > 1 else 1)
+    if stages > vit.NUM_LAYERS:
+        raise ConfigError(
+            f"VIT.NUM_LAYERS ({vit.NUM_LAYERS}) must be at least the {stages} "
+            "pipeline stages (PARALLEL.PP, two per rank when interleaved)"
+        )
+    if pp > 1:
+        dp = cfg.NUM_GPUS // (tp * pp)
+        per_dp, n = cfg.TRAIN.BATCH_SIZE // dp, pp_microbatches(cfg)
+        if cfg.TRAIN.BATCH_SIZE % dp or per_dp % n:
+            raise ConfigError(
+                f"TRAIN.BATCH_SIZE ({cfg.TRAIN.BATCH_SIZE}) must split into {dp} "
+                f"data-parallel ranks x {n} pipeline micro-batches "
+                "(PARALLEL.PP_MICROBATCHES)"
+            )
+        if cfg.PARALLEL.PP_SCHEDULE != "gpipe" and n < pp:
+            raise ConfigError(
+                f"PARALLEL.PP_MICROBATCHES ({n}) must be at least PARALLEL.PP ({pp}) "
+                f"for the {cfg.PARALLEL.PP_SCHEDULE} schedule"
+            )
+        for key, on in (
+            ("DISTILL.TYPE", cfg.DISTILL.TYPE != "none"),
+            ("TRAIN.ACCUM_STEPS", cfg.TRAIN.ACCUM_STEPS > 1),
+        ):
+            if on:
+                raise ConfigError(
+                    f"{key} is not supported with PARALLEL.PP > 1 (the pipeline's "
+                    "micro-batches already accumulate gradients)"
+                    if key == "TRAIN.ACCUM_STEPS"
+                    else f"{key} is not supported with PARALLEL.PP > 1"
+                )
 
 
 def _check_distill(cfg: CfgNode) -> None:

@@ -155,15 +155,18 @@ class MultiheadSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (batch, seq, hidden) if batch_first else (seq, batch, hidden), float;
         returns the same shape and dtype."""
-        d0, d1, hidden_d = x.shape
-        qkv = self.attn_proj(x).view(d0, d1, 3, self.n_heads, hidden_d // self.n_heads)
+        d0, d1 = x.shape[:2]
+        # Widths come from the projection's output, not from hidden_d: a module that
+        # holds a slice of the heads (and of attn_proj's rows) runs this code as it is.
+        qkv = self.attn_proj(x)
+        qkv = qkv.view(d0, d1, 3, self.n_heads, qkv.size(-1) // (3 * self.n_heads))
         # Both layouts gather q, k, v as (3, batch, heads, seq, head_d) for the kernel.
         perm = (2, 0, 3, 1, 4) if self.batch_first else (2, 1, 3, 0, 4)
         q, k, v = qkv.permute(perm).unbind(0)
         out = attend(q, k, v, self.attention)
         # (batch, heads, seq, head_d) -> the input layout
         out = out.permute(0, 2, 1, 3) if self.batch_first else out.permute(2, 0, 1, 3)
-        return self.out_proj(out.reshape(d0, d1, hidden_d))
+        return self.out_proj(out.reshape(d0, d1, -1))
 
     @staticmethod
     def complexity(
@@ -260,7 +263,8 @@ class ViTEncoder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: tokens (seq, batch, hidden) or (batch, seq, hidden) per the layout, float;
-        returns the same shape and dtype."""
+        returns the same shape and dtype. Runs the blocks (and LayerNorm) it holds: a
+        pipeline stage's copy holds some of them."""
         for block in self.children():
             x = block(x)
         return x
@@ -390,6 +394,19 @@ class ViT(nn.Module):
         init_weights_vit(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A pipeline stage is a copy of the model with the parts of other stages set
+        # to None (torchtitan's way): each part runs only where it is held.
+        if self.stem is not None:
+            x = self.embed(x)
+        if self.encoder is not None:
+            x = self.encoder(x)
+        if self.head is not None:
+            x = self.classify(x)
+        return x
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """images (batch, 3, h, w), float -> tokens with positions, (seq, batch,
+        hidden) or (batch, seq, hidden) per the layout."""
         # (n, c, h, w) -> (n, hidden_d, n_h, n_w) -> (n, hidden_d, n_h * n_w)
         x = self.stem(x).flatten(2)
         # One copy to a contiguous token tensor here: left strided, the residual stream
@@ -400,16 +417,22 @@ class ViT(nn.Module):
             x = x.transpose(1, 2).contiguous()  # (n, seq, hidden_d)
             if prefix:
                 x = torch.cat([t.expand(x.size(0), -1, -1) for t in prefix] + [x], 1)
-            x = self.encoder(x + self.pos_embedding)
-            tokens = x[:, 0] if self.class_token is not None else x.mean(dim=1)
-            dist = x[:, 1] if self.dist_token is not None else None
+            return x + self.pos_embedding
+        x = x.permute(2, 0, 1).contiguous()  # (seq, n, hidden_d)
+        if prefix:
+            x = torch.cat([t.expand(-1, x.size(1), -1) for t in prefix] + [x], 0)
+        return x + self.pos_embedding.transpose(0, 1)
+
+    def classify(self, x: torch.Tensor) -> torch.Tensor:
+        """Encoded tokens (per the layout) -> logits (batch, num_classes); with the
+        distillation token see the class docstring."""
+        cls, dist = self.params.cls_type == "token", self.params.distill_token
+        if self.batch_first:
+            tokens = x[:, 0] if cls else x.mean(dim=1)
+            dist = x[:, 1] if dist else None
         else:
-            x = x.permute(2, 0, 1).contiguous()  # (seq, n, hidden_d)
-            if prefix:
-                x = torch.cat([t.expand(-1, x.size(1), -1) for t in prefix] + [x], 0)
-            x = self.encoder(x + self.pos_embedding.transpose(0, 1))
-            tokens = x[0] if self.class_token is not None else x.mean(dim=0)
-            dist = x[1] if self.dist_token is not None else None
+            tokens = x[0] if cls else x.mean(dim=0)
+            dist = x[1] if dist else None
         if dist is None:
             return self.head(tokens)
         logits, dist_logits = self.head(tokens), self.head_dist(dist)
