@@ -1321,6 +1321,12 @@ def _check_parallel(cfg: CfgNode) -> None:
             raise ConfigError(
                 f"VIT.{key} ({value}) must be divisible by PARALLEL.TP ({tp})"
             )
+    dp = cfg.NUM_GPUS // (tp * pp)
+    if tp > 1 and dp > 1 and not cfg.FSDP.ENABLED:
+        raise ConfigError(
+            f"PARALLEL.TP {tp} with {dp} data-parallel ranks needs FSDP.ENABLED True "
+            "(DDP does not take tensor-parallel parameters)"
+        )
     stages = pp * (2 if cfg.PARALLEL.PP_SCHEDULE == "interleaved" and pp > 1 else 1)
     if stages > vit.NUM_LAYERS:
         raise ConfigError(
@@ -1328,7 +1334,6 @@ def _check_parallel(cfg: CfgNode) -> None:
             "pipeline stages (PARALLEL.PP, two per rank when interleaved)"
         )
     if pp > 1:
-        dp = cfg.NUM_GPUS // (tp * pp)
         per_dp, n = cfg.TRAIN.BATCH_SIZE // dp, pp_microbatches(cfg)
         if cfg.TRAIN.BATCH_SIZE % dp or per_dp % n:
             raise ConfigError(

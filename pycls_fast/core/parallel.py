@@ -46,6 +46,12 @@ def fsdp_enabled(cfg: CfgNode) -> bool:
     return cfg.FSDP.ENABLED
 
 
+def sharded_checkpoints(cfg: CfgNode) -> bool:
+    """Whether checkpoints are DCP directories that every rank writes its part of:
+    under FSDP, tensor or pipeline parallelism (no rank holds the whole model)."""
+    return cfg.FSDP.ENABLED or cfg.PARALLEL.TP > 1 or cfg.PARALLEL.PP > 1
+
+
 def reshard_after_forward(cfg: CfgNode) -> bool:
     """FSDP.RESHARD_AFTER_FW (a loaded config has pycls's DO_NOT_RESHARD_AFTER_FW
     resolved onto it)."""
@@ -71,30 +77,31 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
 
 
 def shard_model(
-    model: nn.Module, cfg: CfgNode, mode: AmpMode, half: torch.dtype
+    model: nn.Module, cfg: CfgNode, mode: AmpMode, half: torch.dtype, mesh=None
 ) -> nn.Module:
-    """Applies fully_shard per encoder block, then to the root (in place)."""
+    """Applies fully_shard per encoder block, then to the root (in place), over
+    `mesh` (the 'dp' dimension of a model-parallel mesh; None: all ranks)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = fsdp_mixed_precision(mode, half)
-    reshard = reshard_after_forward(cfg)
+    kw = {"reshard_after_forward": reshard_after_forward(cfg), "mesh": mesh}
     if mode is AmpMode.O2 and cfg.AMP.LAYER_NORM_FP32:
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32)
         for m in model.modules():
             if isinstance(m, _NORMS):
-                fully_shard(m, mp_policy=fp32, reshard_after_forward=reshard)
+                fully_shard(m, mp_policy=fp32, **kw)
     for block in encoder_blocks(model):
-        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(block, mp_policy=policy, **kw)
+    fully_shard(model, mp_policy=policy, **kw)
     return model
 
 
-def _fp32_allreduce_hook(_, bucket):
+def _fp32_allreduce_hook(group, bucket):
     """DDP comm hook: averages half-precision gradients in fp32 (AMP O2's grads are
     half precision; summing them in half precision loses bits at many ranks)."""
     grads = bucket.buffer()
-    total = grads.float().div_(dist.get_world_size())
-    fut = dist.all_reduce(total, async_op=True).get_future()
+    total = grads.float().div_(dist.get_world_size(group))
+    fut = dist.all_reduce(total, group=group, async_op=True).get_future()
 
     def copy_back(f):
         grads.copy_(f.value()[0])
@@ -104,18 +111,21 @@ def _fp32_allreduce_hook(_, bucket):
 
 
 def wrap_ddp(
-    model: nn.Module, mode: AmpMode, device: torch.device
+    model: nn.Module, mode: AmpMode, device: torch.device, group=None
 ) -> DistributedDataParallel:
-    """DistributedDataParallel over this process's device."""
+    """DistributedDataParallel over this process's device, among `group` (None: all
+    ranks)."""
     ids = [device.index] if device.type == "cuda" else None
     # pos_embedding (1, seq, hidden) gets its gradient with another stride on its
     # size-1 dim; DDP compares all strides and warns on every step about a copy of a
     # few KB. Nothing to fix there.
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view")
     # Gradients as views of the communication buckets: no copy in and out of them.
-    ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+    ddp = DistributedDataParallel(
+        model, device_ids=ids, gradient_as_bucket_view=True, process_group=group
+    )
     if mode is AmpMode.O2:
-        ddp.register_comm_hook(None, _fp32_allreduce_hook)
+        ddp.register_comm_hook(group, _fp32_allreduce_hook)
     return ddp
 
 
@@ -125,17 +135,22 @@ def parallelize(
     mode: AmpMode,
     half: torch.dtype,
     device: torch.device,
+    dp_mesh=None,
 ) -> nn.Module:
     """Returns the module to train: `model` itself (one process, or sharded in place
     by FSDP) or a DDP wrapper around it. `model` is on `device`, prepared for `mode`
-    (for FSDP O2: still fp32, see the module docstring)."""
+    (for FSDP O2: still fp32, see the module docstring), already split by tensor
+    parallelism if any; `dp_mesh`: the data-parallel ranks of a model-parallel mesh
+    (None: all ranks are data-parallel)."""
     if cfg.FSDP.ACTIVATION_CHECKPOINT:
         apply_activation_checkpointing(model)
     apply_compile(model, cfg.TRAIN.COMPILE)
     if fsdp_enabled(cfg):
-        return shard_model(model, cfg, mode, half)
-    if distributed.world_size() > 1:
-        return wrap_ddp(model, mode, device)
+        return shard_model(model, cfg, mode, half, dp_mesh)
+    data_parallel = dp_mesh.size() if dp_mesh is not None else distributed.world_size()
+    if data_parallel > 1:
+        group = dp_mesh.get_group() if dp_mesh is not None else None
+        return wrap_ddp(model, mode, device, group)
     return model
 
 

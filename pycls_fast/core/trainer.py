@@ -37,6 +37,7 @@ from pycls_fast.core.distill import Distiller, build_distiller
 from pycls_fast.core.ema import create_ema, ema_alpha, ema_enabled, update_ema
 from pycls_fast.core.logging import format_eta, log_json_stats, setup_logging
 from pycls_fast.core.losses import build_loss
+from pycls_fast.core.mesh import Layout, build_mesh
 from pycls_fast.core.meters import EpochMeter, memory_mb, topk_errors
 from pycls_fast.core.optimizer import construct_optimizer, lr_at, param_groups, set_lr
 from pycls_fast.core.parallel import fsdp_enabled, parallelize, shard_model, unwrap
@@ -56,6 +57,7 @@ from pycls_fast.core.preemption import StopRequest
 from pycls_fast.core.profiling import StepProfiler
 from pycls_fast.core.run_lock import RunLock
 from pycls_fast.core.stats_sinks import attach_stats_sinks
+from pycls_fast.core.tensor_parallel import apply_tp, clip_grad_norm_, sequence_parallel
 from pycls_fast.datasets.device import DeviceBatchTransform
 from pycls_fast.datasets.loader import (
     ImageLoader,
@@ -111,14 +113,22 @@ class Components:
     loss_fn: Callable = F.cross_entropy
     # DeiT's distillation (DISTILL.*): the teacher and its loss; None without.
     distiller: Distiller | None = None
+    # The (pp, dp, tp) layout of the ranks (core/mesh.py), its mesh (None without
+    # tensor or pipeline parallelism) and this rank's data-parallel index.
+    layout: Layout = field(default_factory=Layout)
+    mesh: object = None
+    data_rank: int = 0
+    # Whether this rank's losses and errors count in the meters: one rank per
+    # data-parallel replica (the first tensor-parallel rank of the last stage).
+    reports_metrics: bool = True
 
     def attach_test_loader(self, cfg: CfgNode) -> None:
         """Builds the test loader of `cfg` (TEST.SPLIT, sizes) and its device-side
         preparation into these components."""
         dtype = input_dtype(self.mode, self.half_dtype)
-        self.test_loader = construct_test_loader(cfg)
+        self.test_loader = construct_test_loader(cfg, self.data_rank, self.layout.dp)
         self.test_prep = DeviceBatchTransform(
-            cfg, self.device, dtype, False, distributed.rank()
+            cfg, self.device, dtype, False, self.data_rank
         )
         self.test_batches = DevicePrefetcher(self.test_loader, self.test_prep)
 
@@ -187,6 +197,9 @@ def build_components(
     the config's (e.g. a peer implementation in benchmarks)."""
     device = distributed.device()
     mode, half = resolve_amp(cfg)
+    layout = Layout.from_cfg(cfg, distributed.world_size())
+    mesh = build_mesh(layout, device.type) if layout.model_parallel else None
+    pp_i, data_rank, tp_i = layout.coords(distributed.rank())
     if model is None:
         model = build_model(cfg)
         if cfg.TRAIN.WEIGHTS:
@@ -207,9 +220,18 @@ def build_components(
         # FSDP O2 keeps fp32 shards (the master weights) and casts when gathering.
         prepare_model(model, mode, half, cfg.AMP.LAYER_NORM_FP32)
     ema = create_ema(model) if ema_enabled(cfg) else None
+    dp_mesh = mesh["dp"] if mesh is not None else None
+    if layout.tp > 1:
+        sp = sequence_parallel(cfg)
+        for m in (model, ema):
+            if m is not None:  # the EMA is split like the model
+                apply_tp(m, mesh["tp"], sp)
+        logger.info(
+            "tensor parallel over %d ranks, sequence parallel %s", layout.tp, sp
+        )
     if ema is not None and fsdp:
-        shard_model(ema, cfg, mode, half)  # sharded like the model
-    trained = parallelize(model, cfg, mode, half, device)
+        shard_model(ema, cfg, mode, half, dp_mesh)  # sharded like the model
+    trained = parallelize(model, cfg, mode, half, device, dp_mesh)
     distiller = None
     if weights is None:  # training: the teacher, if any
         distiller = build_distiller(cfg, device, mode, half)
@@ -237,11 +259,15 @@ def build_components(
         ema=ema,
         opt_params=[p for g in groups for p in g["params"]],
         loaded=loaded,
+        layout=layout,
+        mesh=mesh,
+        data_rank=data_rank,
+        reports_metrics=tp_i == 0 and pp_i == layout.pp - 1,
     )
-    dtype, rank = input_dtype(mode, half), distributed.rank()
+    dtype = input_dtype(mode, half)
     if "train" in (loaders or ()):
-        parts.train_loader = construct_train_loader(cfg)
-        parts.train_prep = DeviceBatchTransform(cfg, device, dtype, True, rank)
+        parts.train_loader = construct_train_loader(cfg, data_rank, layout.dp)
+        parts.train_prep = DeviceBatchTransform(cfg, device, dtype, True, data_rank)
         parts.train_batches = DevicePrefetcher(parts.train_loader, parts.train_prep)
     if "test" in (loaders or ()):
         parts.attach_test_loader(cfg)
@@ -309,7 +335,7 @@ def train_step(parts, inputs, targets, weight=1.0):
     found_inf = parts.scaler.unscale_(parts.opt_params)
     if parts.cfg.OPTIM.GRAD_CLIP > 0:
         # After an overflow the clipped grads are NaN too; the step is skipped.
-        torch.nn.utils.clip_grad_norm_(parts.opt_params, parts.cfg.OPTIM.GRAD_CLIP)
+        clip_grad_norm_(parts.opt_params, parts.cfg.OPTIM.GRAD_CLIP)
     if parts.scaler.step(parts.optimizer, found_inf) and parts.master is not None:
         parts.master.master_to_model()  # unchanged masters after a skipped step
     parts.scaler.update(found_inf)
@@ -387,7 +413,8 @@ def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
             loss, logits, _ = train_step(parts, inputs, targets)
             hard = targets.argmax(dim=1) if targets.ndim == 2 else targets
             top1, top5 = topk_errors(logits.float(), hard)
-            meter.add(loss.detach(), top1, top5, len(hard), step=it)
+            n = len(hard) if parts.reports_metrics else 0
+            meter.add(loss.detach(), top1, top5, n, step=it)
         else:
             _step_without_images(parts)
         if parts.ema is not None and (it + 1) % cfg.OPTIM.EMA_UPDATE_PERIOD == 0:
@@ -488,7 +515,7 @@ def test_epoch(parts, model, epoch, kind="test_epoch", label=None, extra=None):
             logits = model(inputs)
         loss = F.cross_entropy(logits.float(), labels)
         top1, top5 = topk_errors(logits.float(), labels)
-        meter.add(loss, top1, top5, len(labels))
+        meter.add(loss, top1, top5, len(labels) if parts.reports_metrics else 0)
     _pad_sharded_forwards(parts, model, meter.iters)
     stats = meter.summary()
     record = {
@@ -584,9 +611,10 @@ def _train(cfg, stop, remote=None):
         len(parts.test_loader),
     )
     logger.info(
-        "batch %d images per step (TRAIN.BATCH_SIZE), %d per process; %d epoch(s)",
+        "batch %d images per step (TRAIN.BATCH_SIZE), %d per data-parallel rank; "
+        "%d epoch(s)",
         cfg.TRAIN.BATCH_SIZE,
-        cfg.TRAIN.BATCH_SIZE // distributed.world_size(),
+        cfg.TRAIN.BATCH_SIZE // parts.layout.dp,
         cfg.OPTIM.MAX_EPOCH,
     )
 
@@ -700,6 +728,10 @@ def checkpoint_epoch_label(loaded, max_epoch):
 
 def _parallel_name(cfg):
     world = distributed.world_size()
+    layout = Layout.from_cfg(cfg, world)
+    if layout.model_parallel:
+        dp = "FSDP" if fsdp_enabled(cfg) else "DDP"
+        return f"{layout.describe()} ({dp} over DP) on {world} processes"
     if fsdp_enabled(cfg):
         return f"FSDP over {world} process(es)"
     return f"DDP over {world} processes" if world > 1 else "one process"

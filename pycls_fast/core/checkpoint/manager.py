@@ -30,7 +30,7 @@ from pycls_fast.core.checkpoint.cadence import (
     stop_checkpoint,
 )
 from pycls_fast.core.checkpoint.state import GlobalRng
-from pycls_fast.core.parallel import fsdp_enabled
+from pycls_fast.core.parallel import sharded_checkpoints
 from pycls_fast.core.preemption import stop_message
 from pycls_fast.errors import CheckpointError, Stopped, UserError
 
@@ -87,11 +87,10 @@ def training_state(parts, epoch: int, iteration: int) -> dict:
 
 
 def _wrong_layout(path, sharded_file):
-    how = "FSDP.ENABLED True" if sharded_file else "FSDP.ENABLED False"
     return CheckpointError(
-        f"checkpoint {path} was written by a run with {how}: resume with that "
-        "setting, or start a new OUT_DIR from its weights (TRAIN.WEIGHTS; "
-        "tools/consolidate_checkpoint.py makes one file of a sharded checkpoint)"
+        f"checkpoint {path} is one file, written without FSDP, TP or PP: resume "
+        "with FSDP.ENABLED False, PARALLEL.TP 1 and PARALLEL.PP 1, or start a new "
+        "OUT_DIR from its weights (TRAIN.WEIGHTS)"
     )
 
 
@@ -104,7 +103,9 @@ def restore(parts, path: str):
     """Loads the checkpoint at `path` (file or sharded directory) into the
     components; returns (epoch, iteration)."""
     is_sharded = files.is_sharded(path)
-    if is_sharded != fsdp_enabled(parts.cfg):
+    # A sharded (DCP) checkpoint loads at any layout, one process included; a file
+    # only into a run that writes files.
+    if not is_sharded and sharded_checkpoints(parts.cfg):
         raise _wrong_layout(path, is_sharded)
     if is_sharded:
         try:
@@ -148,7 +149,7 @@ def save(parts, epoch: int, iteration: int):
     folder = files.checkpoint_dir(cfg.OUT_DIR)
     error, path = None, None
     try:
-        if fsdp_enabled(cfg):
+        if sharded_checkpoints(cfg):
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(
                 folder, files.checkpoint_name(epoch, iteration, sharded.SUFFIX)
@@ -167,7 +168,7 @@ def save(parts, epoch: int, iteration: int):
                 path = files.save_checkpoint(cfg.OUT_DIR, state, epoch, iteration)
     except (OSError, CheckpointException) as e:
         error = str(getattr(e, "strerror", None) or e).strip().splitlines()[0]
-    if not fsdp_enabled(cfg):
+    if not sharded_checkpoints(cfg):
         error = distributed.broadcast_object(error)  # rank 0 wrote, all ranks know
     if error:
         # No safety net means no training: stop rather than go on unprotected.
@@ -262,7 +263,7 @@ class CheckpointManager:
         test error so far becomes the best (best.json); retention follows."""
         if not (self.keep_best and distributed.is_main()):
             return
-        suffix = sharded.SUFFIX if fsdp_enabled(self.cfg) else files.SUFFIX
+        suffix = sharded.SUFFIX if sharded_checkpoints(self.cfg) else files.SUFFIX
         name = files.checkpoint_name(epoch + 1, 0, suffix)
         if not os.path.exists(os.path.join(files.checkpoint_dir(self.out_dir), name)):
             return  # these weights were not saved

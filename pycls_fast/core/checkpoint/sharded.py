@@ -19,6 +19,7 @@ import shutil
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from pycls_fast.core import distributed
 from pycls_fast.core.checkpoint.files import SHARDED_SUFFIX as SUFFIX
 from pycls_fast.core.checkpoint.files import is_sharded, safe_load, save_atomically
+from pycls_fast.core.tensor_parallel import to_checkpoint, tp_size
 from pycls_fast.errors import CheckpointError
 
 __all__ = ["SUFFIX", "is_sharded", "save", "load", "read_meta", "read_model_state"]
@@ -71,16 +73,17 @@ def save(
     if distributed.is_main() and os.path.exists(tmp):
         shutil.rmtree(tmp)  # a leftover of a write that crashed
     distributed.barrier()
+    tp = tp_size(model)
     state = {
-        "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, optimizer),
+        "model": to_checkpoint(get_model_state_dict(model), tp),
+        "optim": to_checkpoint(get_optimizer_state_dict(model, optimizer), tp),
         "extra": {
             "meta": _blob({**meta, "world_size": distributed.world_size()}),
             f"rank_{distributed.rank()}": _blob(rank_state),
         },
     }
     if ema is not None:
-        state["ema"] = get_model_state_dict(ema)
+        state["ema"] = to_checkpoint(get_model_state_dict(ema), tp)
     dcp.save(state, checkpoint_id=tmp)
     distributed.barrier()  # every rank's shards and the metadata are on disk
     if distributed.is_main():
@@ -120,21 +123,25 @@ def load(
     every rank; returns (meta, rank_state), rank_state None when the checkpoint was
     written at another world size (the RNG streams of the ranks then start afresh)."""
     saved = _read_metadata(path)
-    state = {"model": get_model_state_dict(model)}
-    _check_fits(path, saved, "model", state["model"])
-    state["optim"] = get_optimizer_state_dict(model, optimizer)
+    tp = tp_size(model)
+    # `state` holds the tensors DCP loads into (q/k/v pieces of tensor-parallel
+    # parameters as views of their local tensors), `whole` the state dicts to set.
+    whole = {"model": get_model_state_dict(model)}
+    _check_fits(path, saved, "model", whole["model"])
+    whole["optim"] = get_optimizer_state_dict(model, optimizer)
     if ema is not None and any(k.startswith("ema.") for k in saved):
-        state["ema"] = get_model_state_dict(ema)
-    meta = read_meta(path, no_dist=False)
+        whole["ema"] = get_model_state_dict(ema)
+    state = {k: to_checkpoint(v, tp) for k, v in whole.items()}
+    meta = read_meta(path, no_dist=not dist.is_initialized())
     rank_key = f"rank_{distributed.rank()}"
     same_world = meta.get("world_size") == distributed.world_size()
     if same_world and f"extra.{rank_key}" in saved:
         state["extra"] = {rank_key: io.BytesIO()}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
-    if "ema" in state:
-        set_model_state_dict(ema, state["ema"])
+    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, whole["model"])
+    set_optimizer_state_dict(model, optimizer, whole["optim"])
+    if "ema" in whole:
+        set_model_state_dict(ema, whole["ema"])
     own = state.get("extra", {}).get(rank_key)
     return meta, _unblob(own, path) if own is not None else None
 

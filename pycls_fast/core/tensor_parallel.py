@@ -1,0 +1,260 @@
+"""Tensor parallelism (Megatron's split) of the ViT's encoder blocks, with DTensor.
+
+    apply_tp(model, tp_mesh, sequence_parallel)   # in place, before FSDP
+
+Each block's attention projection `attn_proj` and MLP `linear_1` are split by rows
+(output columns: ColwiseParallel), `out_proj` and `linear_2` by columns
+(RowwiseParallel), so a block costs two all-reduces forward and two backward; each
+rank runs NUM_HEADS / TP heads and MLP_DIM / TP hidden units. The stem, tokens,
+position embedding, final LayerNorm and head stay whole on every rank (plain tensors,
+computed alike; their gradients come out equal on every rank, because the block
+inputs' gradients are all-reduced on their way back).
+
+With sequence parallelism (Korthikanti et al., https://arxiv.org/abs/2205.05198) the
+residual stream between the blocks' matmuls is split along the sequence: the
+LayerNorms, LayerScales, residual adds and stochastic depth run on SEQ / TP tokens,
+and the all-reduces become all-gathers and reduce-scatters of the same volume.
+
+The packed q/k/v projection. `attn_proj` holds q, k and v as three (HIDDEN, HIDDEN)
+row blocks (pycls's and timm's order). An even split of its rows would give rank 0
+all of q and half of k, so `apply_tp` reorders the rows rank by rank: rank r holds
+[q_r; k_r; v_r], the rows of its own heads, and the model's attention (which takes
+its head width from the projection's output) runs unchanged on NUM_HEADS / TP heads.
+Checkpoints keep pycls's order: `to_checkpoint` names each rank's three row blocks by
+their offsets in the q/k/v order (DCP's CheckpointableTensor protocol, several
+chunks per rank), so a TP checkpoint loads at any other layout and the reverse.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from yacs.config import CfgNode
+
+from pycls_fast.models.vit import LayerScale, ViT, ViTEncoderBlock
+
+# The state-dict names whose rows apply_tp reorders (and to_checkpoint maps back).
+QKV_SUFFIXES = ("attn_proj.weight", "attn_proj.bias")
+
+
+def sequence_parallel(cfg: CfgNode) -> bool:
+    """PARALLEL.SEQUENCE_PARALLEL where it applies: TP > 1 and the token count of
+    every image size the run uses divisible by TP (DTensor's sequence split takes
+    even shards; a class token makes 197 tokens of a 224 px, 16 px patch image)."""
+    tp = cfg.PARALLEL.TP
+    if tp == 1 or not cfg.PARALLEL.SEQUENCE_PARALLEL:
+        return False
+    prefix = int(cfg.VIT.CLASSIFIER_TYPE == "token") + int(cfg.VIT.DISTILL_TOKEN)
+    sizes = {cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE, *cfg.TEST.SIZES}
+    seqs = {(s // cfg.VIT.PATCH_SIZE) ** 2 + prefix for s in sizes}
+    return all(n % tp == 0 for n in seqs)
+
+
+def qkv_rank_order(rows: int, tp: int) -> torch.Tensor:
+    """Row permutation of a packed (3 x W, ...) q/k/v tensor: new[i] = old[perm[i]],
+    rank r's rows [q_r; k_r; v_r] contiguous (W = rows / 3). int64 (rows,)."""
+    w = rows // 3
+    idx = torch.arange(rows).view(3, tp, w // tp)  # (q/k/v, rank, row)
+    return idx.transpose(0, 1).reshape(-1)
+
+
+def _canonical_runs(
+    start: int, n: int, rows: int, tp: int
+) -> list[tuple[int, int, int]]:
+    """Rows [start, start + n) of the rank-ordered tensor as runs in pycls's q/k/v
+    order: [(local offset, canonical offset, length)]."""
+    w = rows // 3
+    piece = w // tp  # rows of one of q, k, v on one rank
+    runs, i = [], start
+    while i < start + n:
+        end = min(start + n, (i // piece + 1) * piece)
+        r, j, t = i // (3 * piece), i % (3 * piece) // piece, i % piece
+        runs.append((i - start, j * w + r * piece + t, end - i))
+        i = end
+    return runs
+
+
+def _block_plan(seq_dim: int, sp: bool) -> dict:
+    """The ParallelStyles of one encoder block (names relative to the block)."""
+    if not sp:
+        return {
+            "self_attention.attn_proj": ColwiseParallel(),
+            "self_attention.out_proj": RowwiseParallel(),
+            "mlp_block.linear_1": ColwiseParallel(),
+            "mlp_block.linear_2": RowwiseParallel(),
+        }
+    seq = Shard(seq_dim)
+    gather = PrepareModuleInput(
+        input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+    )
+    return {
+        "ln_1": SequenceParallel(sequence_dim=seq_dim),
+        "self_attention": gather,
+        "self_attention.attn_proj": ColwiseParallel(),
+        "self_attention.out_proj": RowwiseParallel(output_layouts=seq),
+        "ln_2": SequenceParallel(sequence_dim=seq_dim),
+        "mlp_block": PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+        ),
+        "mlp_block.linear_1": ColwiseParallel(),
+        "mlp_block.linear_2": RowwiseParallel(output_layouts=seq),
+    }
+
+
+def apply_tp(model: ViT, tp_mesh, sp: bool) -> ViT:
+    """Splits every encoder block of `model` over the 1-D mesh `tp_mesh` (in place,
+    before FSDP; the model's weights are equal on all its ranks). `sp`: sequence
+    parallelism (see `sequence_parallel`)."""
+    tp = tp_mesh.size()
+    seq_dim = 1 if model.batch_first else 0
+    seq = Shard(seq_dim)
+    blocks = [m for m in model.modules() if isinstance(m, ViTEncoderBlock)]
+    for block in blocks:
+        attn = block.self_attention
+        order = qkv_rank_order(attn.attn_proj.weight.size(0), tp)
+        with torch.no_grad():
+            attn.attn_proj.weight.copy_(attn.attn_proj.weight[order])
+            attn.attn_proj.bias.copy_(attn.attn_proj.bias[order])
+        # torchtitan's way: the module's head count becomes this rank's.
+        attn.n_heads = attn.n_heads // tp
+        plan = _block_plan(seq_dim, sp)
+        if sp:
+            for name in (
+                "ls_1",
+                "ls_2",
+            ):  # a gamma sees SEQ / TP tokens: reduce its grad
+                if isinstance(getattr(block, name), LayerScale):
+                    plan[name] = SequenceParallel(
+                        sequence_dim=seq_dim, use_local_output=True
+                    )
+        parallelize_module(block, tp_mesh, plan)
+    if sp and blocks:
+        # The stream enters the first block whole and leaves the last one split: split
+        # it (a slice, no communication) and gather it before the final LayerNorm.
+        parallelize_module(
+            blocks[0],
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=(Replicate(),),
+                desired_input_layouts=(seq,),
+                use_local_output=True,
+            ),
+        )
+        ln = model.encoder.ln if model.encoder is not None else None
+        if ln is not None:
+            parallelize_module(
+                ln,
+                tp_mesh,
+                PrepareModuleInput(
+                    input_layouts=(seq,),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_output=True,
+                ),
+            )
+    return model
+
+
+def tp_size(model: nn.Module) -> int:
+    """How many tensor-parallel ranks split `model` (1: none): the size of the 'tp'
+    mesh dimension of its first DTensor parameter that has one."""
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            names = p.device_mesh.mesh_dim_names or ()
+            if "tp" in names:
+                return p.device_mesh.size(names.index("tp"))
+    return 1
+
+
+def _local_rows(shape, mesh, placements):
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(shape, mesh, placements)
+
+
+def _is_qkv(key: str) -> bool:
+    return any(s in key for s in QKV_SUFFIXES)
+
+
+def to_checkpoint(state: dict, tp: int) -> dict:
+    """`state` (a model or optimizer state dict, nested) with each tensor-parallel
+    q/k/v DTensor replaced by its local tensor, annotated with its rows' offsets in
+    pycls's q/k/v order (DCP's CheckpointableTensor protocol); DCP then saves or loads
+    it in place as pieces of the canonical tensor. Other values are unchanged."""
+
+    def convert(key, value):
+        if isinstance(value, dict):
+            return {k: convert(f"{key}.{k}", v) for k, v in value.items()}
+        if tp == 1 or not (isinstance(value, DTensor) and _is_qkv(key)):
+            return value
+        from torch.distributed.tensor._utils import (
+            compute_local_shape_and_global_offset,
+        )
+
+        sizes, offsets = compute_local_shape_and_global_offset(
+            value.shape, value.device_mesh, value.placements
+        )
+        local = value.to_local()
+        rows = value.shape[0]
+        rest = tuple(value.shape[1:])
+        zeros = (0,) * len(rest)
+        runs = _canonical_runs(offsets[0], sizes[0], rows, tp) if sizes[0] else []
+        local.global_shape = tuple(value.shape)
+        local.global_offsets = tuple((c, *zeros) for _, c, _ in runs)
+        local.local_offsets = tuple((lo, *zeros) for lo, _, _ in runs)
+        local.local_sizes = tuple((n, *rest) for _, _, n in runs)
+        return local
+
+    return {k: convert(k, v) for k, v in state.items()}
+
+
+def canonical_state_dict(model: nn.Module, tp: int) -> dict[str, torch.Tensor]:
+    """The full model state on every rank (DTensors gathered), attn_proj rows back in
+    pycls's q/k/v order: equal to one process's state dict. For tests and tools."""
+    out = {}
+    inverse = None
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if tp > 1 and _is_qkv(key):
+            order = qkv_rank_order(value.size(0), tp)
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel())
+            value = value[inverse]
+        out[key] = value.detach()
+    return out
+
+
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ over parameters that may mix DTensors (on one or more
+    meshes) and plain tensors: the total 2-norm of all gradients, each DTensor's
+    reduced over its mesh and each plain gradient counted once (plain parameters are
+    replicated alike on every rank). Returns the norm, a 0-d float32 tensor."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    squares = []
+    by_mesh: dict = {}
+    plain = []
+    for g in grads:
+        if isinstance(g, DTensor):
+            by_mesh.setdefault((g.device_mesh, g.placements), []).append(g)
+        else:
+            plain.append(g)
+    for group in by_mesh.values():
+        norms = torch._foreach_norm(group, 2.0)
+        total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+        squares.append(total.full_tensor() ** 2)
+    if plain:
+        norms = torch._foreach_norm(plain, 2.0)
+        squares.append(torch.stack([n.float() for n in norms]).square().sum())
+    norm = torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device) if not isinstance(g, DTensor) else coef.item())
+    return norm
