@@ -90,6 +90,28 @@ def param_groups(model: nn.Module, cfg: CfgNode) -> list[dict[str, Any]]:
     return out
 
 
+def split_by_tensor_kind(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`groups` with each group split into plain tensors and DTensors of each mesh
+    and placement (tensor parallelism makes some parameters DTensors): a fused or
+    foreach kernel takes one kind per call. Groups of one kind are returned as they
+    are."""
+    from torch.distributed.tensor import DTensor
+
+    def kind(p):
+        if isinstance(p, DTensor):
+            return (id(p.device_mesh), tuple(map(str, p.placements)))
+        return None
+
+    out = []
+    for group in groups:
+        kinds: dict = {}
+        for p in group["params"]:
+            kinds.setdefault(kind(p), []).append(p)
+        for params in kinds.values():
+            out.append({**group, "params": params})
+    return out
+
+
 def fused_supported(groups: Sequence[dict[str, Any]]) -> bool:
     """Whether torch has a fused optimizer kernel for every parameter of `groups`:
     floating point, on a device type torch lists as fused-capable. The same test

@@ -39,7 +39,13 @@ from pycls_fast.core.logging import format_eta, log_json_stats, setup_logging
 from pycls_fast.core.losses import build_loss
 from pycls_fast.core.mesh import Layout, build_mesh
 from pycls_fast.core.meters import EpochMeter, memory_mb, topk_errors
-from pycls_fast.core.optimizer import construct_optimizer, lr_at, param_groups, set_lr
+from pycls_fast.core.optimizer import (
+    construct_optimizer,
+    lr_at,
+    param_groups,
+    set_lr,
+    split_by_tensor_kind,
+)
 from pycls_fast.core.parallel import fsdp_enabled, parallelize, shard_model, unwrap
 from pycls_fast.core.precision import (
     AmpMode,
@@ -237,7 +243,7 @@ def build_components(
         distiller = build_distiller(cfg, device, mode, half)
         if distiller is not None:
             logger.info("DISTILL.TYPE %s: %s", cfg.DISTILL.TYPE, distiller.note)
-    groups = param_groups(model, cfg)
+    groups = split_by_tensor_kind(param_groups(model, cfg))
     master = None
     if mode is AmpMode.O2 and not fsdp:
         master = MasterWeights(model.parameters())

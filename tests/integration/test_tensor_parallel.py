@@ -61,3 +61,24 @@ def test_tp2_trains_as_one_process_fp32(sp, tmp_path):
     assert one["losses"][-1] < one["losses"][0]
     for key, value in one["state"].items():
         torch.testing.assert_close(tp["state"][key], value, rtol=1e-4, atol=1e-6)
+
+
+def test_tp2_under_amp_stays_within_bf16_rounding(tmp_path):
+    """bf16 O1: the tensor-parallel matmuls sum their halves in another order; the
+    losses stay within a few bf16 roundings of one process's (bf16 has 8 bits)."""
+    amp = [*BASE, "AMP.MODE", "O1", "AMP.DTYPE", "bf16"]
+    one = _run(tmp_path, "one", amp)
+    tp = _run(tmp_path, "tp", [*amp, "NUM_GPUS", "2", "PARALLEL.TP", "2"])
+    torch.testing.assert_close(tp["losses"], one["losses"], rtol=2e-2, atol=0)
+
+
+@pytest.mark.slow
+def test_fsdp2_x_tp2_trains_as_fsdp2_fp32(tmp_path):
+    """4 processes, FSDP over 2 data-parallel ranks x TP 2, against FSDP over 2
+    processes (the same two batches); FSDP against one process is tested elsewhere."""
+    fsdp = [*BASE, "FSDP.ENABLED", "True", "TRAIN.BATCH_SIZE", "16"]
+    two = _run(tmp_path, "fsdp", [*fsdp, "NUM_GPUS", "2"])
+    both = _run(tmp_path, "fsdp_tp", [*fsdp, "NUM_GPUS", "4", "PARALLEL.TP", "2"])
+    torch.testing.assert_close(both["losses"], two["losses"], rtol=1e-5, atol=1e-6)
+    for key, value in two["state"].items():
+        torch.testing.assert_close(both["state"][key], value, rtol=1e-4, atol=1e-6)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -52,6 +53,19 @@ def _unblob(buf, path):
     return safe_load(buf, path)
 
 
+# The optimizer's state keyed by parameter name, its hyper-parameters too
+# ("param_groups.<name>.lr"): the same keys whatever the grouping, and tensor
+# parallelism splits groups by tensor kind (core/optimizer.py).
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _optim_options(saved):
+    """The options that read the optimizer state of a checkpoint: flattened, or
+    (checkpoints written before flattening) grouped as the optimizer was."""
+    grouped = any(k.startswith("optim.param_groups.0.") for k in saved)
+    return StateDictOptions() if grouped else _FLAT
+
+
 def _read_metadata(path):
     return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
 
@@ -76,7 +90,9 @@ def save(
     tp = tp_size(model)
     state = {
         "model": to_checkpoint(get_model_state_dict(model), tp),
-        "optim": to_checkpoint(get_optimizer_state_dict(model, optimizer), tp),
+        "optim": to_checkpoint(
+            get_optimizer_state_dict(model, optimizer, options=_FLAT), tp
+        ),
         "extra": {
             "meta": _blob({**meta, "world_size": distributed.world_size()}),
             f"rank_{distributed.rank()}": _blob(rank_state),
@@ -128,7 +144,8 @@ def load(
     # parameters as views of their local tensors), `whole` the state dicts to set.
     whole = {"model": get_model_state_dict(model)}
     _check_fits(path, saved, "model", whole["model"])
-    whole["optim"] = get_optimizer_state_dict(model, optimizer)
+    options = _optim_options(saved)
+    whole["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
     if ema is not None and any(k.startswith("ema.") for k in saved):
         whole["ema"] = get_model_state_dict(ema)
     state = {k: to_checkpoint(v, tp) for k, v in whole.items()}
@@ -139,7 +156,7 @@ def load(
         state["extra"] = {rank_key: io.BytesIO()}
     dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     set_model_state_dict(model, whole["model"])
-    set_optimizer_state_dict(model, optimizer, whole["optim"])
+    set_optimizer_state_dict(model, optimizer, whole["optim"], options=options)
     if "ema" in whole:
         set_model_state_dict(ema, whole["ema"])
     own = state.get("extra", {}).get(rank_key)

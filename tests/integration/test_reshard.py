@@ -1,0 +1,66 @@
+"""Checkpoints of tensor-parallel runs resume at other layouts (one process, FSDP)
+and the reverse, ending as the uninterrupted run does (digits, 2 gloo processes)."""
+
+import os
+
+import pytest
+
+from tests.integration.test_distributed import (
+    FP32,
+    FP32_TOL,
+    TRAIN_NET,
+    _final_test,
+    _keep,
+    _losses,
+    _run,
+    _train,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def test_tp_checkpoints_reshard_to_one_process_and_fsdp_and_back(digits, tmp_path):
+    common = [
+        "OPTIM.MAX_EPOCH", "2", "TRAIN.CHECKPOINT_ITER_PERIOD", "5", *FP32,
+        "OPTIM.EMA_ALPHA", "0.05", "OPTIM.EMA_UPDATE_PERIOD", "1",
+    ]  # fmt: skip
+    tp2 = ["NUM_GPUS", "2", "PARALLEL.TP", "2"]
+    full_dir = tmp_path / "tp2"
+    full = _train(digits, full_dir, *common, *tp2)
+    with open(full_dir / "stdout.log") as f:
+        assert "tensor parallel over 2 ranks, sequence parallel True" in f.read()
+    target = _final_test(full)
+    mid = "model_epoch_0002_iter_000005.dcp"
+    # Each rank wrote its own part, attn_proj as pieces in pycls's q/k/v order.
+    parts = os.listdir(full_dir / "checkpoints" / mid)
+    assert sorted(p for p in parts if p.endswith(".distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+
+    # TP2 -> one process without FSDP (it then writes single-file checkpoints).
+    one_dir = tmp_path / "one"
+    _keep(full_dir, one_dir, [mid])
+    one = _train(digits, one_dir, *common, "NUM_GPUS", "1")
+    assert len(_losses(one)) == 6  # iterations 6..11 of epoch 2
+    assert any(n.endswith(".pyth") for n in os.listdir(one_dir / "checkpoints"))
+    # A single-file checkpoint met by a tensor-parallel run: one line, exit 2.
+    wrong = _run(TRAIN_NET, digits, one_dir, *common, *tp2)
+    assert wrong.returncode == 2, wrong.stderr[-2000:]
+    assert "is one file, written without FSDP, TP or PP" in wrong.stderr
+    assert "Traceback" not in wrong.stderr
+    # TP2 -> FSDP over 2 processes, then its iteration-10 checkpoint -> TP2.
+    fsdp_dir = tmp_path / "fsdp"
+    _keep(full_dir, fsdp_dir, [mid])
+    fsdp = _train(digits, fsdp_dir, *common, "NUM_GPUS", "2", "FSDP.ENABLED", "True")
+    back_dir = tmp_path / "back"
+    _keep(fsdp_dir, back_dir, ["model_epoch_0002_iter_000010.dcp"])
+    back = _train(digits, back_dir, *common, *tp2)
+    assert len(_losses(back)) == 1
+    for resumed in (one, fsdp, back):
+        test = _final_test(resumed)
+        assert abs(test["loss"] - target["loss"]) <= FP32_TOL
+        assert test["top1_err"] == pytest.approx(target["top1_err"], abs=0.3)
+    ema = [r for r in full if r["_type"] == "test_ema_epoch"][-1]
+    ema_back = [r for r in back if r["_type"] == "test_ema_epoch"][-1]
+    assert abs(ema["loss"] - ema_back["loss"]) <= FP32_TOL
