@@ -1276,14 +1276,14 @@ def check_cfg(cfg: CfgNode) -> None:
     _check_attention(cfg)
     if cfg.OPTIM.LR_POLICY == "steps" and not cfg.OPTIM.STEPS:
         raise ConfigError("OPTIM.STEPS must be set when OPTIM.LR_POLICY is 'steps'")
-    for key in ("TRAIN.BATCH_SIZE", "TEST.BATCH_SIZE"):
-        if _get(cfg, key) % cfg.NUM_GPUS:
-            raise ConfigError(
-                f"{key} ({_get(cfg, key)}) must be divisible by NUM_GPUS "
-                f"({cfg.NUM_GPUS})"
-            )
-    _check_distill(cfg)
     _check_parallel(cfg)
+    # Batches are split among the data-parallel ranks (NUM_GPUS without TP or PP).
+    dp = cfg.NUM_GPUS // (cfg.PARALLEL.TP * cfg.PARALLEL.PP)
+    ranks = f"NUM_GPUS ({cfg.NUM_GPUS})" if dp == cfg.NUM_GPUS else f"DP ({dp})"
+    for key in ("TRAIN.BATCH_SIZE", "TEST.BATCH_SIZE"):
+        if _get(cfg, key) % dp:
+            raise ConfigError(f"{key} ({_get(cfg, key)}) must be divisible by {ranks}")
+    _check_distill(cfg)
     if cfg.TRAIN.BCE_BINARY_TARGETS and cfg.TRAIN.BCE_TARGET_THRESH:
         raise ConfigError(
             "TRAIN.BCE_BINARY_TARGETS True is the threshold 0: leave "
@@ -1295,11 +1295,11 @@ def check_cfg(cfg: CfgNode) -> None:
                 f"TEST.SIZES: {size!r} is not a positive multiple of VIT.PATCH_SIZE "
                 f"({cfg.VIT.PATCH_SIZE})"
             )
-    per_rank = cfg.TRAIN.BATCH_SIZE // cfg.NUM_GPUS
+    per_rank = cfg.TRAIN.BATCH_SIZE // dp
     if per_rank % cfg.TRAIN.ACCUM_STEPS:
         raise ConfigError(
             f"TRAIN.ACCUM_STEPS ({cfg.TRAIN.ACCUM_STEPS}) must divide each process's "
-            f"batch (TRAIN.BATCH_SIZE / NUM_GPUS = {per_rank})"
+            f"batch (TRAIN.BATCH_SIZE / {ranks.split(' ')[0]} = {per_rank})"
         )
 
 
@@ -1326,6 +1326,12 @@ def _check_parallel(cfg: CfgNode) -> None:
         raise ConfigError(
             f"PARALLEL.TP {tp} with {dp} data-parallel ranks needs FSDP.ENABLED True "
             "(DDP does not take tensor-parallel parameters)"
+        )
+    amp = cfg.AMP.MODE or legacy_amp_mode(cfg)
+    if (tp > 1 or pp > 1) and amp == "O2" and not cfg.FSDP.ENABLED:
+        raise ConfigError(
+            "AMP.MODE O2 with PARALLEL.TP or PARALLEL.PP > 1 needs FSDP.ENABLED True "
+            "(FSDP's fp32 shards are the master weights that sharded checkpoints save)"
         )
     stages = pp * (2 if cfg.PARALLEL.PP_SCHEDULE == "interleaved" and pp > 1 else 1)
     if stages > vit.NUM_LAYERS:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -134,29 +135,27 @@ def apply_tp(model: ViT, tp_mesh, sp: bool) -> ViT:
                         sequence_dim=seq_dim, use_local_output=True
                     )
         parallelize_module(block, tp_mesh, plan)
-    if sp and blocks:
-        # The stream enters the first block whole and leaves the last one split: split
-        # it (a slice, no communication) and gather it before the final LayerNorm.
+    if sp and model.encoder is not None:
+        # The stream enters the encoder whole and is split there (a slice, no
+        # communication); it leaves gathered, so a pipeline stage hands the next a
+        # whole stream. On the encoder, not on a block: activation checkpointing
+        # recomputes a block's forward without its input hooks.
         parallelize_module(
-            blocks[0],
+            model.encoder,
             tp_mesh,
-            PrepareModuleInput(
+            PrepareModuleInputOutput(
                 input_layouts=(Replicate(),),
                 desired_input_layouts=(seq,),
+                use_local_input=True,
+                output_layouts=(seq,),
+                desired_output_layouts=(Replicate(),),
                 use_local_output=True,
             ),
         )
-        ln = model.encoder.ln if model.encoder is not None else None
+        ln = getattr(model.encoder, "ln", None)
         if ln is not None:
-            parallelize_module(
-                ln,
-                tp_mesh,
-                PrepareModuleInput(
-                    input_layouts=(seq,),
-                    desired_input_layouts=(Replicate(),),
-                    use_local_output=True,
-                ),
-            )
+            local = SequenceParallel(sequence_dim=seq_dim, use_local_output=True)
+            parallelize_module(ln, tp_mesh, local)
     return model
 
 
