@@ -893,6 +893,11 @@ _key("PARALLEL.PP_SCHEDULE", "1f1b", choices=["gpipe", "1f1b", "interleaved"])
 # Micro-batches per step and data-parallel rank in a pipeline (0 = 2 x PP)
 _key("PARALLEL.PP_MICROBATCHES", 0, ge=0)
 
+# Let the planner choose PARALLEL.TP, PARALLEL.PP, FSDP.ENABLED and
+# FSDP.ACTIVATION_CHECKPOINT for NUM_GPUS devices of this machine's memory: the
+# fastest predicted layout that fits (tools/plan_net.py prints the same table)
+_key("PARALLEL.AUTO", False)
+
 
 # ------------------------------- Distributed options -------------------------------- #
 # pycls_fast: multi-process runs (see docs/DISTRIBUTED.md).

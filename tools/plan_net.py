@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Plans a run's layout: python tools/plan_net.py --cfg FILE --gpus 8,64 --gpu-gib 80
 
-Prints, for DDP, FSDP and FSDP with activation checkpointing, the predicted memory per
-rank (parameters, gradients, optimizer state, master weights, EMA, activations) of
-training the config on that many GPUs, and the fastest layout that fits
-(pycls_fast/core/planner.py; tensor and pipeline parallelism are not built yet).
-TRAIN.BATCH_SIZE is the global batch, as in training.
+Prints, for the (pipeline x data x tensor)-parallel layouts of that many GPUs, with
+DDP or FSDP over the data-parallel ranks and with or without activation
+checkpointing, the predicted memory per rank (parameters, gradients, optimizer
+state, master weights, EMA, gathered weights, activations) and step speed of
+training the config, and the fastest layout that fits (pycls_fast/core/planner.py;
+PARALLEL.AUTO makes train_net use it). TRAIN.BATCH_SIZE is the global batch, as in
+training. --all lists every candidate.
 """
 
 import argparse
@@ -24,6 +26,7 @@ def main():
         "--gpus", default="8", help="GPU counts, comma separated (8,64,512)"
     )
     parser.add_argument("--gpu-gib", type=float, default=80.0)
+    parser.add_argument("--all", action="store_true", help="every candidate layout")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE overrides")
     args = parser.parse_args()
     try:
@@ -42,7 +45,8 @@ def main():
                     f"--gpus {gpus}: give a global batch of at least one image per GPU"
                 )
             best, rows = plan(cfg, gpus, args.gpu_gib)
-            print(format_plan(name, gpus, args.gpu_gib, best, rows))
+            show = 0 if args.all else 8
+            print(format_plan(name, gpus, args.gpu_gib, best, rows, show))
 
 
 if __name__ == "__main__":

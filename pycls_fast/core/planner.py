@@ -1,24 +1,38 @@
 """Per-rank memory of a training layout, and the layout a run should use.
 
-    mem = per_rank_memory(cfg, world=8, fsdp=True, checkpoint=False)  # bytes by part
-    best, rows = plan(cfg, num_gpus=64, gpu_gib=80)                  # tools/plan_net.py
+    mem = per_rank_memory(cfg, Candidate(pp=2, dp=4, tp=8, fsdp=True))  # bytes by part
+    best, rows = plan(cfg, num_gpus=64, gpu_gib=80)  # plan_net.py, PARALLEL.AUTO
 
-The parts, as pycls_fast lays them out (exact per tensor, from the model built on the
-meta device, so a 22B model costs nothing to plan):
+A candidate is a (pp, dp, tp) layout of the GPUs (core/mesh.py), DDP or FSDP over
+its data-parallel ranks, with or without activation checkpointing. The parts, as
+pycls_fast lays them out (exact per tensor, from the model built on the meta device,
+so a 22B model costs nothing to plan), for the rank that holds the most:
 - params, grads, optimizer state, fp32 master copies (AMP O2 without FSDP), the fp32
-  EMA: whole on every rank under DDP, one dim-0 chunk of each tensor per rank under
-  FSDP (the largest chunk, rank 0's);
+  EMA: tensor parallelism keeps 1/TP of each block matmul's weight (rows of
+  attn_proj and linear_1 with their biases, columns of out_proj and linear_2) and
+  the rest whole; a pipeline stage holds its blocks (the first also the stem and
+  tokens, the last the head: the stages of `stage_bounds`); FSDP then keeps one
+  dim-0 chunk of each tensor per data-parallel rank (the largest chunk, rank 0's);
 - under FSDP, the weights gathered for computing (the block running and the one
-  prefetched, in the compute dtype) and one block's unsharded gradients before their
-  reduce-scatter;
-- activations kept for backward, per block and image, by Korthikanti et al. ("Reducing
-  Activation Recomputation in Large Transformer Models", 2022, eq. 2): s*h*(34 +
-  5*a*s/h) bytes in 16-bit (twice in fp32); with activation checkpointing, each block
-  keeps only its input (2*s*h bytes) and one block's activations live at a time.
-Layouts compared: DDP, FSDP, FSDP with activation checkpointing (tensor and pipeline
-parallelism are not built yet). The fastest that fits is chosen: DDP before FSDP
-(FSDP gathers each block's weights in forward and backward), and activation
-checkpointing last (it recomputes the forward: ~4/3 of the step's compute).
+  prefetched, in the compute dtype) and one block's unsharded gradients;
+- activations kept for backward, per block and image, by Korthikanti et al.
+  ("Reducing Activation Recomputation in Large Transformer Models", 2022, eqs. 2-4):
+  s*h*(34 + 5*a*s/h) bytes in 16-bit (twice in fp32); with TP s*h*(10 + 24/t +
+  5*a*s/(h*t)), with sequence parallelism s*h*(34 + 5*a*s/h)/t; with activation
+  checkpointing each block keeps its input (2*s*h, /t with sequence parallelism) and
+  one block's activations live at a time. A pipeline's first stage keeps the
+  activations of PP micro-batches in flight under 1F1B (of all of them under GPipe;
+  1 + (PP-1)/(2*PP) times PP under interleaved 1F1B with 2 stages per rank).
+
+The predicted step speed, relative to data parallelism alone, multiplies:
+- the pipeline bubble: m / (m + PP - 1) for m micro-batches (m / (m + (PP-1)/2)
+  interleaved);
+- tensor parallelism's all-reduces, not overlapped with compute: per block and
+  step, 8 x (t-1)/t x s*b*h bytes in 16-bit over the link, against 72*s*b*h^2/t
+  flops; at ASSUMED_FLOPS per GPU and ASSUMED_LINK bytes/s (NVLink within a node;
+  TP is kept within NODE_GPUS);
+- activation checkpointing: 3/4 (the forward is computed twice: 4/3 of the flops).
+FSDP's and DDP's gradient reductions are taken as overlapped with backward.
 """
 
 import math
@@ -28,132 +42,333 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
+from pycls_fast.config import with_overrides
 from pycls_fast.core.precision import AmpMode, resolve_amp
+from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
 
 GIB = 2**30
 HEADROOM = 0.9  # of a GPU's memory: the allocator's fragmentation, CUDA context
-# Relative step throughput of each layout (compute only; communication not modelled).
-SPEED = {"ddp": 1.0, "fsdp": 1.0, "fsdp+ac": 0.75}
+# Assumptions of the speed model (H100 SXM): 40% of the 989 TFLOP/s bf16 dense peak,
+# and an NVLink all-reduce bus bandwidth of 300 GB/s; 8 GPUs per NVLink domain.
+ASSUMED_FLOPS = 0.4 * 989e12
+ASSUMED_LINK = 300e9
+NODE_GPUS = 8
+# Block matmuls that tensor parallelism splits: by rows (dim 0, with their biases)
+# or by columns (dim 1 of the weight; the bias stays whole).
+_ROWS = ("attn_proj", "linear_1")
+_COLS = ("out_proj", "linear_2")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout of the GPUs: pipeline x data x tensor parallel sizes, FSDP or DDP
+    over the data-parallel ranks, activation checkpointing."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    fsdp: bool = False
+    checkpoint: bool = False
+
+    @property
+    def name(self) -> str:
+        dp = f"{'fsdp' if self.fsdp else 'ddp'}{self.dp}"
+        parts = [f"pp{self.pp}"] if self.pp > 1 else []
+        parts += [dp] + ([f"tp{self.tp}"] if self.tp > 1 else [])
+        return "x".join(parts) + ("+ac" if self.checkpoint else "")
+
+
+def stage_bounds(n_layers: int, pp: int) -> list[tuple[int, int]]:
+    """[start, end) blocks of each of `pp` stages, as even as the layers allow."""
+    base, extra = divmod(n_layers, pp)
+    bounds, start = [], 0
+    for s in range(pp):
+        end = start + base + (1 if s < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
 
 
 def _param_tensors(cfg):
-    """(shape, whether it sits in a LayerNorm) of each trainable parameter."""
+    """(name, shape, whether it sits in a LayerNorm) of each trainable parameter."""
     with torch.device("meta"):
         model = build_model(cfg)
     out = []
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
+    for prefix, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
             if p.requires_grad:
-                out.append((tuple(p.shape), isinstance(module, nn.LayerNorm)))
+                full = f"{prefix}.{name}" if prefix else name
+                out.append((full, tuple(p.shape), isinstance(module, nn.LayerNorm)))
     return out
 
 
-def _local_numel(shape, world, fsdp):
+def _block_of(name: str) -> int | None:
+    if ".block_" not in name:
+        return None
+    return int(name.split(".block_")[1].split(".")[0])
+
+
+def _on_stage(name: str, stage: int, bounds) -> bool:
+    """Whether the parameter `name` lives on pipeline stage `stage`."""
+    block = _block_of(name)
+    if block is not None:
+        start, end = bounds[stage]
+        return start <= block < end
+    last = len(bounds) - 1
+    if name.startswith(("encoder.ln", "head")):
+        return stage == last
+    return stage == 0  # the stem, class / distillation tokens, position embedding
+
+
+def _tp_shape(name: str, shape, tp: int):
+    if tp == 1 or not shape:
+        return shape
+    if any(f".{m}." in name for m in _ROWS):
+        return (shape[0] // tp, *shape[1:])
+    if any(f".{m}." in name for m in _COLS) and name.endswith("weight"):
+        return (shape[0], shape[1] // tp)
+    return shape
+
+
+def _local_numel(shape, dp, fsdp):
     if not fsdp or not shape:
         return math.prod(shape)
-    return math.ceil(shape[0] / world) * math.prod(shape[1:])
+    return math.ceil(shape[0] / dp) * math.prod(shape[1:])
 
 
-def activation_bytes(cfg: CfgNode, images: int, checkpoint: bool) -> int:
-    """Bytes of activations kept for backward by `images` images (see the module
-    docstring), in the precision of the AMP mode."""
-    s = (cfg.TRAIN.IM_SIZE // cfg.VIT.PATCH_SIZE) ** 2 + 1
-    h, a, n = cfg.VIT.HIDDEN_DIM, cfg.VIT.NUM_HEADS, cfg.VIT.NUM_LAYERS
+def _seq_len(cfg) -> int:
+    prefix = int(cfg.VIT.CLASSIFIER_TYPE == "token") + int(cfg.VIT.DISTILL_TOKEN)
+    return (cfg.TRAIN.IM_SIZE // cfg.VIT.PATCH_SIZE) ** 2 + prefix
+
+
+def _microbatches(cfg, pp: int) -> int:
+    return cfg.PARALLEL.PP_MICROBATCHES or 2 * pp
+
+
+def activation_bytes(
+    cfg: CfgNode, images: int, checkpoint: bool, tp: int = 1, layers: int = 0
+) -> int:
+    """Bytes of activations kept for backward by `images` images through `layers`
+    blocks (0: all), tensor-parallel over `tp` ranks (see the module docstring), in
+    the precision of the AMP mode."""
+    s, h, a = _seq_len(cfg), cfg.VIT.HIDDEN_DIM, cfg.VIT.NUM_HEADS
+    n = layers or cfg.VIT.NUM_LAYERS
     mode, _ = resolve_amp(cfg)
     scale = 2.0 if mode is AmpMode.FP32 else 1.0
-    per_block = s * h * (34 + 5 * a * s / h) * scale
-    # Checkpointed: each block's input, and one block recomputed at a time.
-    per_image = n * 2 * s * h * scale + per_block if checkpoint else n * per_block
+    sp = tp > 1 and cfg.PARALLEL.SEQUENCE_PARALLEL and s % tp == 0
+    if sp:
+        per_block = s * h * (34 + 5 * a * s / h) / tp
+    else:
+        per_block = s * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    per_block *= scale
+    kept_input = 2 * s * h * scale / (tp if sp else 1)
+    per_image = n * kept_input + per_block if checkpoint else n * per_block
     return int(per_image * images)
 
 
-def per_rank_memory(
-    cfg: CfgNode, world: int, fsdp: bool, checkpoint: bool = False
-) -> dict[str, int]:
-    """Bytes per rank by part (params, grads, optimizer, master, ema, gathered,
-    activations, total) of training `cfg` on `world` ranks, with or without FSDP."""
+def per_rank_memory(cfg: CfgNode, c: Candidate) -> dict[str, int]:
+    """Bytes by part (params, grads, optimizer, master, ema, gathered, activations,
+    total) on the rank of candidate `c` that holds the most, training `cfg`."""
+    stages = [
+        _stage_memory(cfg, c, stage, stage_bounds(cfg.VIT.NUM_LAYERS, c.pp))
+        for stage in range(c.pp)
+    ]
+    return max(stages, key=lambda m: m["total"])
+
+
+def _stage_memory(cfg, c: Candidate, stage: int, bounds) -> dict[str, int]:
     mode, half = resolve_amp(cfg)
     half_b = torch.finfo(half).bits // 8
     ln_fp32 = cfg.AMP.LAYER_NORM_FP32
     opt = cfg.OPTIM.OPTIMIZER
     states = 2 if opt in ("adam", "adamw", "lamb") else int(cfg.OPTIM.MOMENTUM > 0)
     out = dict.fromkeys(("params", "grads", "optimizer", "master", "ema"), 0)
-    tensors = _param_tensors(cfg)
-    for shape, is_ln in tensors:
-        n = _local_numel(shape, world, fsdp)
+    block_numel = 0
+    for name, shape, is_ln in _param_tensors(cfg):
+        if not _on_stage(name, stage, bounds):
+            continue
+        shape = _tp_shape(name, shape, c.tp)
+        if _block_of(name) == bounds[stage][0]:
+            block_numel += math.prod(shape)
+        n = _local_numel(shape, c.dp, c.fsdp)
         if mode is AmpMode.O3 or (
-            mode is AmpMode.O2 and not fsdp and not (is_ln and ln_fp32)
+            mode is AmpMode.O2 and not c.fsdp and not (is_ln and ln_fp32)
         ):
             stored = half_b
         else:
             stored = 4
         out["params"] += n * stored
         # O2 without FSDP: the half grads move to the fp32 masters before the step.
-        master = mode is AmpMode.O2 and not fsdp and stored != 4
+        master = mode is AmpMode.O2 and not c.fsdp and stored != 4
         out["master"] += n * 4 if master else 0
         opt_b = 4 if master else stored
         out["grads"] += n * opt_b
         out["optimizer"] += states * n * opt_b
         out["ema"] += n * 4 if cfg.OPTIM.EMA_ALPHA > 0 else 0
     out["gathered"] = 0
-    if fsdp:
-        block = sum(math.prod(shape) for shape, _ in tensors) / cfg.VIT.NUM_LAYERS
+    if c.fsdp:
         compute_b = half_b if mode in (AmpMode.O2, AmpMode.O3) else 4
-        out["gathered"] = int(block * (2 * compute_b + 4))
-    images = cfg.TRAIN.BATCH_SIZE // world // cfg.TRAIN.ACCUM_STEPS
-    out["activations"] = activation_bytes(cfg, images, checkpoint)
+        out["gathered"] = int(block_numel * (2 * compute_b + 4))
+    images = cfg.TRAIN.BATCH_SIZE // c.dp // cfg.TRAIN.ACCUM_STEPS
+    layers = bounds[stage][1] - bounds[stage][0]
+    if c.pp > 1:
+        m = _microbatches(cfg, c.pp)
+        micro = images / m
+        schedule = cfg.PARALLEL.PP_SCHEDULE
+        # Micro-batches whose activations the stage keeps at its peak.
+        if schedule == "gpipe":
+            in_flight = m
+        elif schedule == "1f1b":
+            in_flight = min(m, c.pp - stage)
+        else:
+            in_flight = min(m, (c.pp - stage) * (1 + (c.pp - 1) / (2 * c.pp)))
+        images = micro * in_flight
+    out["activations"] = activation_bytes(cfg, images, c.checkpoint, c.tp, layers)
     out["total"] = sum(out.values())
     return out
 
 
+def predicted_speed(cfg: CfgNode, c: Candidate) -> float:
+    """Step throughput relative to data parallelism alone (module docstring)."""
+    speed = 0.75 if c.checkpoint else 1.0
+    if c.pp > 1:
+        m = _microbatches(cfg, c.pp)
+        idle = (c.pp - 1) / (2 if cfg.PARALLEL.PP_SCHEDULE == "interleaved" else 1)
+        speed *= m / (m + idle)
+    if c.tp > 1:
+        h = cfg.VIT.HIDDEN_DIM
+        # Per block, token and step: communicated bytes over compute time.
+        comm = 8 * (c.tp - 1) / c.tp * h * 2 / ASSUMED_LINK
+        compute = 72 * h * h / c.tp / ASSUMED_FLOPS
+        speed *= 1.0 / (1.0 + comm / compute)
+    return speed
+
+
 @dataclass
 class Row:
-    """One candidate layout and its predicted per-rank memory."""
+    """One candidate layout and its predicted per-rank memory and speed."""
 
-    layout: str
+    layout: Candidate
     memory: dict
     fits: bool
     speed: float
 
 
+def candidates(cfg: CfgNode, num_gpus: int) -> list[Candidate]:
+    """The layouts of `num_gpus` GPUs that `cfg` can use: TP within NODE_GPUS and
+    dividing the heads and MLP width; PP up to the layers (half of them when
+    interleaved); the batch split evenly over DP (and its micro-batches)."""
+    vit, out = cfg.VIT, []
+    schedule = cfg.PARALLEL.PP_SCHEDULE
+    for tp in (1, 2, 4, 8):
+        if tp > min(NODE_GPUS, num_gpus) or vit.NUM_HEADS % tp or vit.MLP_DIM % tp:
+            continue
+        for pp in range(1, num_gpus // tp + 1):
+            per_rank_stages = 2 if schedule == "interleaved" and pp > 1 else 1
+            if num_gpus % (tp * pp) or pp * per_rank_stages > vit.NUM_LAYERS:
+                continue
+            dp = num_gpus // (tp * pp)
+            batch = cfg.TRAIN.BATCH_SIZE
+            if batch % dp or (pp > 1 and (batch // dp) % _microbatches(cfg, pp)):
+                continue
+            for fsdp, ckpt in ((False, False), (True, False), (True, True)):
+                if not fsdp and tp > 1 and dp > 1:
+                    continue  # TP with data parallelism needs FSDP (config check)
+                out.append(Candidate(pp, dp, tp, fsdp, ckpt))
+    return out
+
+
 def plan(cfg: CfgNode, num_gpus: int, gpu_gib: float) -> tuple[Row | None, list[Row]]:
     """(the chosen layout or None when none fits, every candidate) for training
-    `cfg` on `num_gpus` GPUs of `gpu_gib` GiB."""
+    `cfg` on `num_gpus` GPUs of `gpu_gib` GiB: the fastest predicted layout that
+    fits; among equals, the simplest (least model parallelism, DDP before FSDP)."""
     rows = []
-    for layout, fsdp, ckpt in (
-        ("ddp", False, False),
-        ("fsdp", True, False),
-        ("fsdp+ac", True, True),
-    ):
-        mem = per_rank_memory(cfg, num_gpus, fsdp, ckpt)
+    for c in candidates(cfg, num_gpus):
+        mem = per_rank_memory(cfg, c)
         fits = mem["total"] <= HEADROOM * gpu_gib * GIB
-        rows.append(Row(layout, mem, fits, SPEED[layout]))
+        rows.append(Row(c, mem, fits, predicted_speed(cfg, c)))
     fitting = [r for r in rows if r.fits]
-    return (max(fitting, key=lambda r: r.speed) if fitting else None), rows
+    if not fitting:
+        return None, rows
+    best = max(
+        fitting,
+        key=lambda r: (
+            round(r.speed, 3),
+            -r.layout.tp * r.layout.pp,
+            not r.layout.fsdp,
+        ),
+    )
+    return best, rows
 
 
-def format_plan(name: str, num_gpus: int, gpu_gib: float, best, rows) -> str:
-    """The candidates as a text table (GiB per rank) and the choice."""
+_PARTS = ("params", "grads", "optimizer", "master", "ema", "gathered", "activations")
+
+
+def format_plan(
+    name: str, num_gpus: int, gpu_gib: float, best, rows, show: int = 8
+) -> str:
+    """The plan as a text table (GiB per rank): the chosen layout and the `show`
+    fastest others that fit, then the simplest that do not (0: all rows)."""
     lines = [
         f"{name} on {num_gpus} x {gpu_gib:g} GiB GPUs, GiB per rank "
-        "(params / grads / optimizer / master / ema / gathered / activations = total):"
+        "(params / grads / optimizer / master / ema / gathered / activations = total),"
+        " predicted speed relative to data parallelism:"
     ]
-    for r in rows:
-        parts = " / ".join(
-            f"{r.memory[k] / GIB:.1f}"
-            for k in (
-                "params",
-                "grads",
-                "optimizer",
-                "master",
-                "ema",
-                "gathered",
-                "activations",
-            )
-        )
+    ranked = sorted(rows, key=lambda r: (not r.fits, -r.speed, r.memory["total"]))
+    if show:
+        fits = [r for r in ranked if r.fits][:show]
+        misses = [r for r in ranked if not r.fits][: max(0, show - len(fits)) or 2]
+        ranked = fits + misses
+    for r in ranked:
+        parts = " / ".join(f"{r.memory[k] / GIB:.1f}" for k in _PARTS)
         mark = "fits" if r.fits else "does not fit"
-        lines.append(f"  {r.layout:8s} {parts} = {r.memory['total'] / GIB:.1f}  {mark}")
-    choice = best.layout if best else "none: needs tensor / pipeline parallelism"
-    lines.append(f"  plan: {choice}")
+        chosen = "  <- plan" if best is not None and r.layout == best.layout else ""
+        lines.append(
+            f"  {r.layout.name:18s} {parts} = {r.memory['total'] / GIB:.1f}  "
+            f"{mark}, speed {r.speed:.2f}{chosen}"
+        )
+    if best is None:
+        lines.append(
+            "  plan: none fits: more GPUs, or fewer images per step (TRAIN.ACCUM_STEPS,"
+            " PARALLEL.PP_MICROBATCHES, TRAIN.BATCH_SIZE)"
+        )
+    else:
+        c = best.layout
+        lines.append(
+            f"  plan: {c.name}: PARALLEL.PP {c.pp} PARALLEL.TP {c.tp} FSDP.ENABLED "
+            f"{c.fsdp} FSDP.ACTIVATION_CHECKPOINT {c.checkpoint}"
+        )
     return "\n".join(lines)
+
+
+def device_gib(device: torch.device, local_ranks: int) -> float:
+    """Memory one rank may use on `device`: the GPU's, or on CPU this machine's
+    memory shared by its `local_ranks` processes."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GIB
+    import psutil
+
+    return psutil.virtual_memory().total / GIB / max(local_ranks, 1)
+
+
+def auto_layout(cfg: CfgNode, gpu_gib: float) -> tuple[CfgNode, str]:
+    """PARALLEL.AUTO: (cfg with the planned PARALLEL.TP / PP, FSDP.ENABLED and
+    FSDP.ACTIVATION_CHECKPOINT, the plan's table); UserError when no layout fits.
+    Deterministic: every rank plans the same."""
+    best, rows = plan(cfg, cfg.NUM_GPUS, gpu_gib)
+    table = format_plan("PARALLEL.AUTO", cfg.NUM_GPUS, gpu_gib, best, rows)
+    if best is None:
+        raise UserError(
+            f"PARALLEL.AUTO: no layout of {cfg.NUM_GPUS} devices of {gpu_gib:.1f} GiB "
+            "fits this model and batch (python tools/plan_net.py shows the table)"
+        )
+    c = best.layout
+    planned = {
+        "PARALLEL.TP": c.tp,
+        "PARALLEL.PP": c.pp,
+        "FSDP.ENABLED": c.fsdp,
+        "FSDP.ACTIVATION_CHECKPOINT": c.checkpoint,
+        "PARALLEL.AUTO": False,  # planned once: a resumed run keeps this layout
+    }
+    return with_overrides(cfg, planned), table

@@ -47,6 +47,7 @@ from pycls_fast.core.optimizer import (
     split_by_tensor_kind,
 )
 from pycls_fast.core.parallel import fsdp_enabled, parallelize, shard_model, unwrap
+from pycls_fast.core.planner import auto_layout, device_gib
 from pycls_fast.core.precision import (
     AmpMode,
     LossScaler,
@@ -605,6 +606,11 @@ def _train(cfg, stop, remote=None):
             ", ".join(remote.fetched) or "none",
         )
     cfg = resolve_channel_order(cfg, cfg.TRAIN.WEIGHTS)
+    if cfg.PARALLEL.AUTO:
+        # Rank 0's memory for all: every rank must plan the same layout.
+        gib = device_gib(distributed.device(), distributed.local_world_size())
+        cfg, table = auto_layout(cfg, distributed.broadcast_object(gib))
+        logger.info("%s", table)
     seed_everything(cfg.RNG_SEED)
     parts = build_components(cfg)
     logger.info(

@@ -216,10 +216,16 @@ def test_plan_net_prints_each_layout_and_the_choice():
                       "--gpus", "8,64", "TRAIN.BATCH_SIZE", "4096")  # fmt: skip
     assert result.returncode == 0, result.stderr
     plans = [line.strip() for line in result.stdout.splitlines() if "plan:" in line]
-    assert plans == [
-        "plan: none: needs tensor / pipeline parallelism",
-        "plan: fsdp+ac",
-    ]
+    assert plans[0].startswith("plan: none fits: more GPUs, or fewer images per step")
+    assert plans[1] == (
+        "plan: fsdp64+ac: PARALLEL.PP 1 PARALLEL.TP 1 FSDP.ENABLED True "
+        "FSDP.ACTIVATION_CHECKPOINT True"
+    )
+    # With the config's batch of 1024, 8 GPUs need tensor and pipeline parallelism.
+    eight = run_tool("plan_net.py", "--cfg", "configs/vit/ViT-22B-14.yaml")
+    assert eight.returncode == 0, eight.stderr
+    chosen = [line for line in eight.stdout.splitlines() if "<- plan" in line]
+    assert len(chosen) == 1 and "pp" in chosen[0] and "tp" in chosen[0]
     bad = run_tool("plan_net.py", "--cfg", "configs/vit/ViT-22B-14.yaml", "--gpus", "x")
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: --gpus: comma-separated integers, got x"
