@@ -14,7 +14,9 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
   tokens, the last the head: the stages of `stage_bounds`); FSDP then keeps one
   dim-0 chunk of each tensor per data-parallel rank (the largest chunk, rank 0's);
 - under FSDP, the weights gathered for computing (the block running and the one
-  prefetched, in the compute dtype) and one block's unsharded gradients;
+  prefetched, in the compute dtype) and one block's unsharded gradients; in a
+  pipeline, the whole stage's weights and gradients unsharded (torch's PipelineStage
+  gathers an FSDP stage once for all its micro-batches and reduces after the last);
 - activations kept for backward, per block and image, by Korthikanti et al.
   ("Reducing Activation Recomputation in Large Transformer Models", 2022, eqs. 2-4):
   s*h*(34 + 5*a*s/h) bytes in 16-bit (twice in fp32); with TP s*h*(10 + 24/t +
@@ -24,7 +26,9 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
   activations of PP micro-batches in flight under 1F1B (of all of them under GPipe;
   1 + (PP-1)/(2*PP) times PP under interleaved 1F1B with 2 stages per rank).
 
-The predicted step speed, relative to data parallelism alone, multiplies:
+The predicted step speed, as a fraction of the GPUs' ASSUMED_FLOPS, multiplies:
+- the matmul size: t / (t + HALF_TOKENS) for t tokens per forward call (a
+  data-parallel rank's batch, or one pipeline micro-batch);
 - the pipeline bubble: m / (m + PP - 1) for m micro-batches (m / (m + (PP-1)/2)
   interleaved);
 - tensor parallelism's all-reduces, not overlapped with compute: per block and
@@ -54,6 +58,12 @@ HEADROOM = 0.9  # of a GPU's memory: the allocator's fragmentation, CUDA context
 ASSUMED_FLOPS = 0.4 * 989e12
 ASSUMED_LINK = 300e9
 NODE_GPUS = 8
+# The smallest pipeline micro-batch considered: below it a GPU's matmuls run far
+# from their peak.
+MIN_MICRO = 4
+# Tokens per forward at which a block's matmuls run at half their large-batch speed
+# (an assumption: launch and tile overheads; small micro-batches pay it).
+HALF_TOKENS = 1024
 # Block matmuls that tensor parallelism splits: by rows (dim 0, with their biases)
 # or by columns (dim 1 of the weight; the bias stays whole).
 _ROWS = ("attn_proj", "linear_1")
@@ -70,11 +80,12 @@ class Candidate:
     tp: int = 1
     fsdp: bool = False
     checkpoint: bool = False
+    micro: int = 0  # pipeline micro-batches per step (0 without a pipeline)
 
     @property
     def name(self) -> str:
         dp = f"{'fsdp' if self.fsdp else 'ddp'}{self.dp}"
-        parts = [f"pp{self.pp}"] if self.pp > 1 else []
+        parts = [f"pp{self.pp}m{self.micro}"] if self.pp > 1 else []
         parts += [dp] + ([f"tp{self.tp}"] if self.tp > 1 else [])
         return "x".join(parts) + ("+ac" if self.checkpoint else "")
 
@@ -142,8 +153,16 @@ def _seq_len(cfg) -> int:
     return (cfg.TRAIN.IM_SIZE // cfg.VIT.PATCH_SIZE) ** 2 + prefix
 
 
-def _microbatches(cfg, pp: int) -> int:
-    return cfg.PARALLEL.PP_MICROBATCHES or 2 * pp
+def _microbatch_choices(cfg, pp: int, per_dp: int) -> list[int]:
+    """PARALLEL.PP_MICROBATCHES when set, else 2 x PP, 4 x PP, ... while a
+    micro-batch keeps at least MIN_MICRO images (and divides the batch)."""
+    if cfg.PARALLEL.PP_MICROBATCHES:
+        return [cfg.PARALLEL.PP_MICROBATCHES]
+    out, m = [], 2 * pp
+    while per_dp % m == 0 and per_dp // m >= MIN_MICRO:
+        out.append(m)
+        m *= 2
+    return out or ([2 * pp] if per_dp % (2 * pp) == 0 else [])
 
 
 def activation_bytes(
@@ -167,28 +186,29 @@ def activation_bytes(
     return int(per_image * images)
 
 
-def per_rank_memory(cfg: CfgNode, c: Candidate) -> dict[str, int]:
+def per_rank_memory(cfg: CfgNode, c: Candidate, tensors=None) -> dict[str, int]:
     """Bytes by part (params, grads, optimizer, master, ema, gathered, activations,
-    total) on the rank of candidate `c` that holds the most, training `cfg`."""
-    stages = [
-        _stage_memory(cfg, c, stage, stage_bounds(cfg.VIT.NUM_LAYERS, c.pp))
-        for stage in range(c.pp)
-    ]
+    total) on the rank of candidate `c` that holds the most, training `cfg`.
+    `tensors`: the model's `_param_tensors` when already listed."""
+    tensors = tensors or _param_tensors(cfg)
+    bounds = stage_bounds(cfg.VIT.NUM_LAYERS, c.pp)
+    stages = [_stage_memory(cfg, c, s, bounds, tensors) for s in range(c.pp)]
     return max(stages, key=lambda m: m["total"])
 
 
-def _stage_memory(cfg, c: Candidate, stage: int, bounds) -> dict[str, int]:
+def _stage_memory(cfg, c: Candidate, stage: int, bounds, tensors) -> dict[str, int]:
     mode, half = resolve_amp(cfg)
     half_b = torch.finfo(half).bits // 8
     ln_fp32 = cfg.AMP.LAYER_NORM_FP32
     opt = cfg.OPTIM.OPTIMIZER
     states = 2 if opt in ("adam", "adamw", "lamb") else int(cfg.OPTIM.MOMENTUM > 0)
     out = dict.fromkeys(("params", "grads", "optimizer", "master", "ema"), 0)
-    block_numel = 0
-    for name, shape, is_ln in _param_tensors(cfg):
+    block_numel = stage_numel = 0
+    for name, shape, is_ln in tensors:
         if not _on_stage(name, stage, bounds):
             continue
         shape = _tp_shape(name, shape, c.tp)
+        stage_numel += math.prod(shape)
         if _block_of(name) == bounds[stage][0]:
             block_numel += math.prod(shape)
         n = _local_numel(shape, c.dp, c.fsdp)
@@ -209,11 +229,18 @@ def _stage_memory(cfg, c: Candidate, stage: int, bounds) -> dict[str, int]:
     out["gathered"] = 0
     if c.fsdp:
         compute_b = half_b if mode in (AmpMode.O2, AmpMode.O3) else 4
-        out["gathered"] = int(block_numel * (2 * compute_b + 4))
+        if c.pp > 1:
+            # torch's PipelineStage keeps an FSDP stage gathered from the first
+            # micro-batch's forward to the last one's backward, and its gradients
+            # unsharded until then (set_reshard_after_backward(False),
+            # set_requires_gradient_sync(False)): the whole stage, twice.
+            out["gathered"] = int(stage_numel * 2 * compute_b)
+        else:
+            out["gathered"] = int(block_numel * (2 * compute_b + 4))
     images = cfg.TRAIN.BATCH_SIZE // c.dp // cfg.TRAIN.ACCUM_STEPS
     layers = bounds[stage][1] - bounds[stage][0]
     if c.pp > 1:
-        m = _microbatches(cfg, c.pp)
+        m = c.micro
         micro = images / m
         schedule = cfg.PARALLEL.PP_SCHEDULE
         # Micro-batches whose activations the stage keeps at its peak.
@@ -230,12 +257,17 @@ def _stage_memory(cfg, c: Candidate, stage: int, bounds) -> dict[str, int]:
 
 
 def predicted_speed(cfg: CfgNode, c: Candidate) -> float:
-    """Step throughput relative to data parallelism alone (module docstring)."""
+    """Predicted step throughput, as a fraction of what the GPUs would do at
+    ASSUMED_FLOPS with no communication and full-size matmuls (module docstring)."""
     speed = 0.75 if c.checkpoint else 1.0
+    images = cfg.TRAIN.BATCH_SIZE / c.dp / cfg.TRAIN.ACCUM_STEPS
     if c.pp > 1:
-        m = _microbatches(cfg, c.pp)
+        m = c.micro
         idle = (c.pp - 1) / (2 if cfg.PARALLEL.PP_SCHEDULE == "interleaved" else 1)
         speed *= m / (m + idle)
+        images /= m
+    tokens = images * _seq_len(cfg)
+    speed *= tokens / (tokens + HALF_TOKENS)
     if c.tp > 1:
         h = cfg.VIT.HIDDEN_DIM
         # Per block, token and step: communicated bytes over compute time.
@@ -270,12 +302,14 @@ def candidates(cfg: CfgNode, num_gpus: int) -> list[Candidate]:
                 continue
             dp = num_gpus // (tp * pp)
             batch = cfg.TRAIN.BATCH_SIZE
-            if batch % dp or (pp > 1 and (batch // dp) % _microbatches(cfg, pp)):
+            if batch % dp:
                 continue
+            micros = _microbatch_choices(cfg, pp, batch // dp) if pp > 1 else [0]
             for fsdp, ckpt in ((False, False), (True, False), (True, True)):
                 if not fsdp and tp > 1 and dp > 1:
                     continue  # TP with data parallelism needs FSDP (config check)
-                out.append(Candidate(pp, dp, tp, fsdp, ckpt))
+                for m in micros:
+                    out.append(Candidate(pp, dp, tp, fsdp, ckpt, m))
     return out
 
 
@@ -283,9 +317,9 @@ def plan(cfg: CfgNode, num_gpus: int, gpu_gib: float) -> tuple[Row | None, list[
     """(the chosen layout or None when none fits, every candidate) for training
     `cfg` on `num_gpus` GPUs of `gpu_gib` GiB: the fastest predicted layout that
     fits; among equals, the simplest (least model parallelism, DDP before FSDP)."""
-    rows = []
+    rows, tensors = [], _param_tensors(cfg)
     for c in candidates(cfg, num_gpus):
-        mem = per_rank_memory(cfg, c)
+        mem = per_rank_memory(cfg, c, tensors)
         fits = mem["total"] <= HEADROOM * gpu_gib * GIB
         rows.append(Row(c, mem, fits, predicted_speed(cfg, c)))
     fitting = [r for r in rows if r.fits]
@@ -338,6 +372,7 @@ def format_plan(
         lines.append(
             f"  plan: {c.name}: PARALLEL.PP {c.pp} PARALLEL.TP {c.tp} FSDP.ENABLED "
             f"{c.fsdp} FSDP.ACTIVATION_CHECKPOINT {c.checkpoint}"
+            + (f" PARALLEL.PP_MICROBATCHES {c.micro}" if c.pp > 1 else "")
         )
     return "\n".join(lines)
 
@@ -369,6 +404,7 @@ def auto_layout(cfg: CfgNode, gpu_gib: float) -> tuple[CfgNode, str]:
         "PARALLEL.PP": c.pp,
         "FSDP.ENABLED": c.fsdp,
         "FSDP.ACTIVATION_CHECKPOINT": c.checkpoint,
+        "PARALLEL.PP_MICROBATCHES": c.micro,
         "PARALLEL.AUTO": False,  # planned once: a resumed run keeps this layout
     }
     return with_overrides(cfg, planned), table

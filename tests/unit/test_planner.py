@@ -6,6 +6,7 @@ import pytest
 
 from pycls_fast.core.planner import (
     GIB,
+    HALF_TOKENS,
     Candidate,
     auto_layout,
     candidates,
@@ -36,7 +37,7 @@ def test_tensor_and_pipeline_parallelism_split_the_blocks():
     cfg = tiny_cfg("TRAIN.BATCH_SIZE", "64", "VIT.NUM_LAYERS", "4")
     one = per_rank_memory(cfg, Candidate())
     tp = per_rank_memory(cfg, Candidate(tp=2))
-    pp = per_rank_memory(cfg, Candidate(pp=2))
+    pp = per_rank_memory(cfg, Candidate(pp=2, micro=4))
     # TP halves the four block matmuls (most of a block), not the rest.
     assert 0.5 * one["params"] < tp["params"] < 0.75 * one["params"]
     assert tp["activations"] < one["activations"]
@@ -44,19 +45,35 @@ def test_tensor_and_pipeline_parallelism_split_the_blocks():
     assert 0.4 * one["params"] < pp["params"] < 0.75 * one["params"]
     assert stage_bounds(4, 2) == [(0, 2), (2, 4)]
     assert stage_bounds(5, 3) == [(0, 2), (2, 4), (4, 5)]
-    # The bubble: 2 stages, 4 micro-batches -> 4 / 5; interleaved -> 4 / 4.5.
-    assert predicted_speed(cfg, Candidate(pp=2)) == pytest.approx(0.8)
+
+    # The bubble: 2 stages, 4 micro-batches -> 4 / 5; interleaved -> 4 / 4.5; and
+    # micro-batches a quarter of the batch run smaller matmuls.
+    def matmul(images):
+        tokens = images * 17  # 32 px, 8 px patches, and the class token
+        return tokens / (tokens + HALF_TOKENS)
+
+    pp = per_rank_memory(cfg, Candidate(pp=2, micro=4))
+    assert predicted_speed(cfg, Candidate(pp=2, micro=4)) == pytest.approx(
+        0.8 * matmul(16)
+    )
     cfg_i = tiny_cfg("TRAIN.BATCH_SIZE", "64", "PARALLEL.PP_SCHEDULE", "interleaved",
                      "VIT.NUM_LAYERS", "4")  # fmt: skip
-    assert predicted_speed(cfg_i, Candidate(pp=2)) == pytest.approx(4 / 4.5)
-    assert predicted_speed(cfg, Candidate(tp=2)) < 1.0
+    assert predicted_speed(cfg_i, Candidate(pp=2, micro=4)) == pytest.approx(
+        4 / 4.5 * matmul(16)
+    )
+    assert predicted_speed(cfg, Candidate()) == pytest.approx(matmul(64))
+    assert predicted_speed(cfg, Candidate(tp=2)) < predicted_speed(cfg, Candidate())
+    # 1F1B keeps at most PP micro-batches in flight: more of them, less memory.
+    more = per_rank_memory(cfg, Candidate(pp=2, micro=8))
+    assert more["activations"] < pp["activations"]
 
 
 def test_candidates_respect_what_the_config_checks():
     cfg = tiny_cfg("TRAIN.BATCH_SIZE", "64", "VIT.NUM_LAYERS", "4")
     layouts = candidates(cfg, 8)
     assert (
-        Candidate(dp=8) in layouts and Candidate(pp=2, dp=2, tp=2, fsdp=True) in layouts
+        Candidate(dp=8) in layouts
+        and Candidate(pp=2, dp=2, tp=2, fsdp=True, micro=4) in layouts
     )
     for c in layouts:
         assert c.pp * c.dp * c.tp == 8 and c.pp <= 4
