@@ -229,13 +229,17 @@ def canonical_state_dict(model: nn.Module, tp: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    params: list[torch.Tensor], max_norm: float, group=None
+) -> torch.Tensor:
     """torch's clip_grad_norm_ over parameters that may mix DTensors (on one or more
     meshes) and plain tensors: the total 2-norm of all gradients, each DTensor's
     reduced over its mesh and each plain gradient counted once (plain parameters are
-    replicated alike on every rank). Returns the norm, a 0-d float32 tensor."""
+    replicated alike on every rank); `group`: the pipeline stages, whose parameters
+    are disjoint (their squares are summed). Returns the norm, a 0-d float32
+    tensor."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    if not grads and group is None:
         return torch.zeros(())
     squares = []
     by_mesh: dict = {}
@@ -252,8 +256,11 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor
     if plain:
         norms = torch._foreach_norm(plain, 2.0)
         squares.append(torch.stack([n.float() for n in norms]).square().sum())
-    norm = torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt()
+    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    if group is not None:
+        torch.distributed.all_reduce(total, group=group)
+    norm = total.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
-        g.mul_(coef.to(g.device) if not isinstance(g, DTensor) else coef.item())
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
     return norm

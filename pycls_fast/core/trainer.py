@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from yacs.config import CfgNode
 
@@ -47,6 +48,13 @@ from pycls_fast.core.optimizer import (
     split_by_tensor_kind,
 )
 from pycls_fast.core.parallel import fsdp_enabled, parallelize, shard_model, unwrap
+from pycls_fast.core.pipeline import (
+    PipelineRunner,
+    split_model,
+    stage_bounds,
+    stage_union,
+    stages_per_rank,
+)
 from pycls_fast.core.planner import auto_layout, device_gib
 from pycls_fast.core.precision import (
     AmpMode,
@@ -128,6 +136,10 @@ class Components:
     # Whether this rank's losses and errors count in the meters: one rank per
     # data-parallel replica (the first tensor-parallel rank of the last stage).
     reports_metrics: bool = True
+    # PARALLEL.PP: this rank's pipeline stages under their schedule, and the EMA's
+    # (evaluation only); `trained`, `model` and `ema` are then the stages' union.
+    pipeline: PipelineRunner | None = None
+    ema_pipeline: PipelineRunner | None = None
 
     def attach_test_loader(self, cfg: CfgNode) -> None:
         """Builds the test loader of `cfg` (TEST.SPLIT, sizes) and its device-side
@@ -226,19 +238,40 @@ def build_components(
     if not (fsdp and mode is AmpMode.O2):
         # FSDP O2 keeps fp32 shards (the master weights) and casts when gathering.
         prepare_model(model, mode, half, cfg.AMP.LAYER_NORM_FP32)
-    ema = create_ema(model) if ema_enabled(cfg) else None
-    dp_mesh = mesh["dp"] if mesh is not None else None
-    if layout.tp > 1:
-        sp = sequence_parallel(cfg)
-        for m in (model, ema):
-            if m is not None:  # the EMA is split like the model
-                apply_tp(m, mesh["tp"], sp)
+    pipeline = ema_pipeline = None
+    if layout.pp > 1:
+        stages = split_model(model, cfg, pp_i)
+        ema_stages = None
+        if ema_enabled(cfg):
+            ema_stages = [(i, create_ema(m)) for i, m in stages]
+        stages = [
+            (i, _parallelize(m, cfg, mode, half, device, layout, mesh))
+            for i, m in stages
+        ]
+        group = mesh["pp"].get_group()
+        pipeline = PipelineRunner(stages, cfg, group, device)
+        # The optimizer, EMA updates and checkpoints see the rank's stages as one
+        # module with the whole model's parameter names.
+        trained = stage_union([unwrap(m) for _, m in stages])
+        ema = None
+        if ema_stages is not None:
+            for _, e in ema_stages:
+                _parallelize_ema(e, cfg, mode, half, layout, mesh)
+            ema = stage_union([e for _, e in ema_stages])
+            ema_pipeline = PipelineRunner(ema_stages, cfg, group, device, train=False)
+        model = trained
         logger.info(
-            "tensor parallel over %d ranks, sequence parallel %s", layout.tp, sp
+            "pipeline: %d stages (%s), blocks %s on this rank, %d micro-batches",
+            layout.pp * stages_per_rank(cfg),
+            cfg.PARALLEL.PP_SCHEDULE,
+            ", ".join(f"stage {i}: {b[0]}-{b[1] - 1}" for i, b in _bounds(cfg, stages)),
+            pipeline.n_micro,
         )
-    if ema is not None and fsdp:
-        shard_model(ema, cfg, mode, half, dp_mesh)  # sharded like the model
-    trained = parallelize(model, cfg, mode, half, device, dp_mesh)
+    else:
+        ema = create_ema(model) if ema_enabled(cfg) else None
+        if ema is not None:
+            _parallelize_ema(ema, cfg, mode, half, layout, mesh)
+        trained = _parallelize(model, cfg, mode, half, device, layout, mesh)
     distiller = None
     if weights is None:  # training: the teacher, if any
         distiller = build_distiller(cfg, device, mode, half)
@@ -269,6 +302,8 @@ def build_components(
         layout=layout,
         mesh=mesh,
         data_rank=data_rank,
+        pipeline=pipeline,
+        ema_pipeline=ema_pipeline,
         reports_metrics=tp_i == 0 and pp_i == layout.pp - 1,
     )
     dtype = input_dtype(mode, half)
@@ -279,6 +314,32 @@ def build_components(
     if "test" in (loaders or ()):
         parts.attach_test_loader(cfg)
     return parts
+
+
+def _parallelize(model, cfg, mode, half, device, layout, mesh):
+    """Tensor parallelism (if any), then checkpointing, compile, FSDP or DDP over the
+    data-parallel ranks: the module to train (`parallelize`)."""
+    if layout.tp > 1:
+        sp = sequence_parallel(cfg)
+        apply_tp(model, mesh["tp"], sp)
+        logger.info(
+            "tensor parallel over %d ranks, sequence parallel %s", layout.tp, sp
+        )
+    dp_mesh = mesh["dp"] if mesh is not None else None
+    return parallelize(model, cfg, mode, half, device, dp_mesh)
+
+
+def _parallelize_ema(ema, cfg, mode, half, layout, mesh):
+    """The EMA split and sharded like the model (its updates are per local tensor)."""
+    if layout.tp > 1:
+        apply_tp(ema, mesh["tp"], sequence_parallel(cfg))
+    if fsdp_enabled(cfg):
+        shard_model(ema, cfg, mode, half, mesh["dp"] if mesh is not None else None)
+
+
+def _bounds(cfg, stages):
+    bounds = stage_bounds(cfg, cfg.PARALLEL.PP * stages_per_rank(cfg))
+    return [(i, bounds[i]) for i, _ in stages]
 
 
 def _gradient_sync(model, enabled):
@@ -295,6 +356,8 @@ def _forward_backward(parts, inputs, targets, weight):
     """Forward and backward of the batch in TRAIN.ACCUM_STEPS micro-batches, each
     loss weighted by its share of the batch (their sum is the batch's mean loss;
     the gradients add up to the whole batch's); returns (loss, logits) detached."""
+    if parts.pipeline is not None:
+        return _pipeline_forward_backward(parts, inputs, targets, weight)
     steps = parts.cfg.TRAIN.ACCUM_STEPS
     chunks = list(zip(inputs.chunk(steps), targets.chunk(steps)))
     losses, all_logits = [], []
@@ -319,6 +382,32 @@ def _forward_backward(parts, inputs, targets, weight):
     return torch.stack(losses).sum(), torch.cat(all_logits)
 
 
+def _pipeline_forward_backward(parts, inputs, targets, weight):
+    """The pipeline's forward and backward of the batch (its micro-batches are the
+    accumulation); the loss is shared from the last stage with the others, so that
+    every rank sees a non-finite loss. Returns (loss, logits) detached; the logits
+    are zeros on ranks without the last stage (they count no images)."""
+    unscaled = []
+
+    def loss_fn(out, y):
+        loss = parts.loss_fn(out.float(), y)
+        unscaled.append(loss.detach())
+        return parts.scaler.scale(loss * weight if weight != 1.0 else loss)
+
+    with autocast(parts.device.type, parts.mode, parts.half_dtype):
+        _, logits = parts.pipeline.train(inputs, targets, loss_fn)
+    # The micro-batches' losses are the last calls: a stage's first step also calls
+    # the loss on the shapes it infers.
+    unscaled = unscaled[-parts.pipeline.n_micro :]
+    zero = torch.zeros((), device=parts.device)
+    loss = torch.stack(unscaled).mean() if unscaled else zero
+    dist.all_reduce(loss, group=parts.pipeline.group)  # 0 from the other stages
+    if logits is None:
+        classes = parts.cfg.MODEL.NUM_CLASSES
+        logits = torch.zeros(len(targets), classes, device=parts.device)
+    return loss, logits
+
+
 def mean_logits(out):
     """The logits of a forward: the mean of the two heads' when a distillation-token
     model returns (class logits, distillation logits) in training (as it does in
@@ -340,9 +429,13 @@ def train_step(parts, inputs, targets, weight=1.0):
     if parts.master is not None:
         parts.master.grads_to_master()
     found_inf = parts.scaler.unscale_(parts.opt_params)
+    stages = parts.pipeline.group if parts.pipeline is not None else None
+    if found_inf is not None and stages is not None:
+        # An overflow in any stage skips the step in all of them.
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=stages)
     if parts.cfg.OPTIM.GRAD_CLIP > 0:
         # After an overflow the clipped grads are NaN too; the step is skipped.
-        clip_grad_norm_(parts.opt_params, parts.cfg.OPTIM.GRAD_CLIP)
+        clip_grad_norm_(parts.opt_params, parts.cfg.OPTIM.GRAD_CLIP, stages)
     if parts.scaler.step(parts.optimizer, found_inf) and parts.master is not None:
         parts.master.master_to_model()  # unchanged masters after a skipped step
     parts.scaler.update(found_inf)
@@ -490,6 +583,12 @@ def _log_train_iter(parts, meter, epoch, it, iters, lr, skipped):
     return record
 
 
+def _eval_forward(model, runner, inputs, size):
+    """`model`'s logits of `inputs`, or through its pipeline `runner` (None on the
+    ranks before the last stage; `size`: the padded batch)."""
+    return model(inputs) if runner is None else runner.evaluate(inputs, size)
+
+
 def _pad_sharded_forwards(parts, model, done):
     """FSDP: every rank must run as many forwards as the others (each gathers the
     parameters with collectives), but test shards may differ by one batch; ranks
@@ -500,9 +599,11 @@ def _pad_sharded_forwards(parts, model, done):
     size = parts.cfg.TRAIN.IM_SIZE
     dtype = input_dtype(parts.mode, parts.half_dtype)
     blank = torch.zeros(1, 3, size, size, dtype=dtype, device=parts.device)
+    runner = parts.ema_pipeline if model is parts.ema else parts.pipeline
+    size = parts.cfg.TEST.BATCH_SIZE // parts.layout.dp
     for _ in range(most - done):
         with autocast(parts.device.type, parts.mode, parts.half_dtype):
-            model(blank)
+            _eval_forward(model, runner, blank, size)
 
 
 @torch.no_grad()
@@ -515,11 +616,16 @@ def test_epoch(parts, model, epoch, kind="test_epoch", label=None, extra=None):
     meter = EpochMeter()
     # The EMA is kept in fp32 (core/ema.py): under O3 it runs autocast like O2.
     mode = AmpMode.O2 if parts.mode is AmpMode.O3 and model is parts.ema else parts.mode
+    runner = parts.ema_pipeline if model is parts.ema else parts.pipeline
+    size = cfg.TEST.BATCH_SIZE // parts.layout.dp
     for inputs, labels in parts.test_batches:
         if not len(labels):
             continue
         with autocast(parts.device.type, mode, parts.half_dtype):
-            logits = model(inputs)
+            logits = _eval_forward(model, runner, inputs, size)
+        if logits is None:  # a pipeline stage before the last: nothing to count
+            meter.add(0.0, 0.0, 0.0, 0)
+            continue
         loss = F.cross_entropy(logits.float(), labels)
         top1, top5 = topk_errors(logits.float(), labels)
         meter.add(loss, top1, top5, len(labels) if parts.reports_metrics else 0)

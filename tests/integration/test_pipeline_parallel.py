@@ -1,0 +1,81 @@
+"""Pipeline parallelism (PARALLEL.PP) against one process, on 2-4 gloo processes:
+the same losses step by step and the same final weights with each schedule, with
+the batch-first layout, composed with tensor parallelism and FSDP, under AMP."""
+
+import os
+
+import pytest
+import torch
+
+from pycls_fast.config import load_cfg
+from pycls_fast.core import distributed, launch, timing
+from pycls_fast.core.tensor_parallel import canonical_state_dict, tp_size
+from pycls_fast.core.trainer import build_components, seed_everything, train_step
+from tests.helpers import TINY
+
+STEPS = 10
+
+
+def _train(cfg):
+    """STEPS steps on each data-parallel rank's own fixed batch; every rank writes
+    the losses and the weights it holds (pycls's q/k/v order) to a file."""
+    seed_everything(0)
+    parts = build_components(cfg, loaders=False)
+    per_rank = cfg.TRAIN.BATCH_SIZE // parts.layout.dp
+    inputs, targets = timing.synthetic_batch(parts, per_rank, cfg.TRAIN.IM_SIZE)
+    inputs = inputs + parts.data_rank  # the data-parallel ranks' batches differ
+    losses = []
+    for _ in range(STEPS):
+        loss, _, _ = train_step(parts, inputs, targets)
+        losses.append(float(loss))
+    state = canonical_state_dict(parts.model, tp_size(parts.model))
+    path = os.path.join(cfg.OUT_DIR, f"rank{distributed.rank()}.pt")
+    torch.save({"losses": losses, "state": state}, path)
+    return path
+
+
+def _run(tmp_path, name, opts):
+    """Rank 0's losses and the whole model's weights, gathered from every rank's
+    file (the stages hold disjoint parts)."""
+    out = tmp_path / name
+    out.mkdir()
+    cfg = load_cfg(None, [*opts, "OUT_DIR", str(out)])
+    launch.launch(_train, cfg)
+    ranks = sorted(out.glob("rank*.pt"))
+    first = torch.load(ranks[0])
+    state = {}
+    for path in ranks:
+        state.update(torch.load(path)["state"])
+    return {"losses": first["losses"], "state": state}
+
+
+BASE = [
+    *TINY, "VIT.NUM_LAYERS", "4", "TRAIN.BATCH_SIZE", "8", "TEST.BATCH_SIZE", "8",
+    "OPTIM.OPTIMIZER", "sgd", "OPTIM.MOMENTUM", "0.9", "OPTIM.BASE_LR", "0.05",
+    "OPTIM.GRAD_CLIP", "1.0", "VIT.CLASSIFIER_TYPE", "pooled",
+]  # fmt: skip
+
+
+def _same(got, want, rtol=1e-4, atol=1e-6):
+    torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6)
+    assert want["losses"][-1] < want["losses"][0]
+    assert got["state"].keys() == want["state"].keys()
+    for key, value in want["state"].items():
+        torch.testing.assert_close(got["state"][key], value, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["PARALLEL.PP_SCHEDULE", "gpipe"],
+        ["PARALLEL.PP_SCHEDULE", "1f1b"],
+        ["PARALLEL.PP_SCHEDULE", "interleaved"],
+        ["PARALLEL.PP_SCHEDULE", "1f1b", "VIT.LAYOUT", "batch_first",
+         "VIT.CLASSIFIER_TYPE", "token", "PARALLEL.PP_MICROBATCHES", "4"],
+    ],
+    ids=["gpipe", "1f1b", "interleaved", "1f1b-batch-first-token"],
+)  # fmt: skip
+def test_pp2_trains_as_one_process_fp32(extra, tmp_path):
+    one = _run(tmp_path, "one", [*BASE, *extra])
+    pp = _run(tmp_path, "pp", [*BASE, *extra, "NUM_GPUS", "2", "PARALLEL.PP", "2"])
+    _same(pp, one)
