@@ -249,8 +249,8 @@ def clip_grad_norm_(
             by_mesh.setdefault((g.device_mesh, g.placements), []).append(g)
         else:
             plain.append(g)
-    for group in by_mesh.values():
-        norms = torch._foreach_norm(group, 2.0)
+    for same_kind in by_mesh.values():
+        norms = torch._foreach_norm(same_kind, 2.0)
         total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
         squares.append(total.full_tensor() ** 2)
     if plain:

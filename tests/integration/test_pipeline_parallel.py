@@ -79,3 +79,39 @@ def test_pp2_trains_as_one_process_fp32(extra, tmp_path):
     one = _run(tmp_path, "one", [*BASE, *extra])
     pp = _run(tmp_path, "pp", [*BASE, *extra, "NUM_GPUS", "2", "PARALLEL.PP", "2"])
     _same(pp, one)
+
+
+@pytest.mark.slow
+def test_tp2_x_pp2_trains_as_one_process_fp32(tmp_path):
+    """4 processes: two pipeline stages, each split over 2 tensor-parallel ranks
+    (sequence parallel)."""
+    one = _run(tmp_path, "one", BASE)
+    both = _run(
+        tmp_path,
+        "tp_pp",
+        [*BASE, "NUM_GPUS", "4", "PARALLEL.PP", "2", "PARALLEL.TP", "2"],
+    )
+    _same(both, one)
+
+
+@pytest.mark.slow
+def test_fsdp2_x_pp2_trains_as_fsdp2_fp32(tmp_path):
+    """4 processes: two stages, each sharded over 2 data-parallel ranks, against
+    FSDP over 2 processes (the same two batches)."""
+    fsdp = [*BASE, "FSDP.ENABLED", "True", "TRAIN.BATCH_SIZE", "16"]
+    two = _run(tmp_path, "fsdp", [*fsdp, "NUM_GPUS", "2"])
+    both = _run(tmp_path, "fsdp_pp", [*fsdp, "NUM_GPUS", "4", "PARALLEL.PP", "2"])
+    _same(both, two)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_pp2_under_amp_stays_within_bf16_rounding(schedule, tmp_path):
+    """bf16 O1 with AdamW: the losses stay within a few bf16 roundings (2e-2, about
+    5) of one process's."""
+    amp = [*BASE, "OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "1e-3",
+           "AMP.MODE", "O1", "AMP.DTYPE", "bf16",
+           "PARALLEL.PP_SCHEDULE", schedule]  # fmt: skip
+    one = _run(tmp_path, "one", amp)
+    pp = _run(tmp_path, "pp", [*amp, "NUM_GPUS", "2", "PARALLEL.PP", "2"])
+    torch.testing.assert_close(pp["losses"], one["losses"], rtol=2e-2, atol=0)
+    assert pp["losses"][-1] < pp["losses"][0]
