@@ -10,8 +10,9 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
 - params, grads, optimizer state, fp32 master copies (AMP O2 without FSDP), the fp32
   EMA: tensor parallelism keeps 1/TP of each block matmul's weight (rows of
   attn_proj and linear_1 with their biases, columns of out_proj and linear_2) and
-  the rest whole; a pipeline stage holds its blocks (the first also the stem and
-  tokens, the last the head: the stages of `stage_bounds`); FSDP then keeps one
+  the rest whole; a pipeline rank holds its stages' blocks (the first stage also the
+  stem and tokens, the last the head: core/pipeline.py's `stage_bounds`, two stages
+  per rank when interleaved); FSDP then keeps one
   dim-0 chunk of each tensor per data-parallel rank (the largest chunk, rank 0's);
 - under FSDP, the weights gathered for computing (the block running and the one
   prefetched, in the compute dtype) and one block's unsharded gradients; in a
@@ -47,6 +48,7 @@ from torch import nn
 from yacs.config import CfgNode
 
 from pycls_fast.config import with_overrides
+from pycls_fast.core.pipeline import stage_bounds, stages_per_rank
 from pycls_fast.core.precision import AmpMode, resolve_amp
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
@@ -90,17 +92,6 @@ class Candidate:
         return "x".join(parts) + ("+ac" if self.checkpoint else "")
 
 
-def stage_bounds(n_layers: int, pp: int) -> list[tuple[int, int]]:
-    """[start, end) blocks of each of `pp` stages, as even as the layers allow."""
-    base, extra = divmod(n_layers, pp)
-    bounds, start = [], 0
-    for s in range(pp):
-        end = start + base + (1 if s < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
 def _param_tensors(cfg):
     """(name, shape, whether it sits in a LayerNorm) of each trainable parameter."""
     with torch.device("meta"):
@@ -120,16 +111,14 @@ def _block_of(name: str) -> int | None:
     return int(name.split(".block_")[1].split(".")[0])
 
 
-def _on_stage(name: str, stage: int, bounds) -> bool:
-    """Whether the parameter `name` lives on pipeline stage `stage`."""
+def _on_stages(name: str, stages: list[int], bounds) -> bool:
+    """Whether the parameter `name` lives on one of the pipeline `stages`."""
     block = _block_of(name)
     if block is not None:
-        start, end = bounds[stage]
-        return start <= block < end
-    last = len(bounds) - 1
+        return any(bounds[s][0] <= block < bounds[s][1] for s in stages)
     if name.startswith(("encoder.ln", "head")):
-        return stage == last
-    return stage == 0  # the stem, class / distillation tokens, position embedding
+        return len(bounds) - 1 in stages
+    return 0 in stages  # the stem, class / distillation tokens, position embedding
 
 
 def _tp_shape(name: str, shape, tp: int):
@@ -191,12 +180,15 @@ def per_rank_memory(cfg: CfgNode, c: Candidate, tensors=None) -> dict[str, int]:
     total) on the rank of candidate `c` that holds the most, training `cfg`.
     `tensors`: the model's `_param_tensors` when already listed."""
     tensors = tensors or _param_tensors(cfg)
-    bounds = stage_bounds(cfg.VIT.NUM_LAYERS, c.pp)
-    stages = [_stage_memory(cfg, c, s, bounds, tensors) for s in range(c.pp)]
+    per_rank = stages_per_rank(cfg) if c.pp > 1 else 1
+    bounds = stage_bounds(cfg, c.pp * per_rank)
+    stages = [_stage_memory(cfg, c, r, bounds, tensors) for r in range(c.pp)]
     return max(stages, key=lambda m: m["total"])
 
 
-def _stage_memory(cfg, c: Candidate, stage: int, bounds, tensors) -> dict[str, int]:
+def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, int]:
+    """The bytes of pipeline rank `rank` (its stages rank and rank + PP)."""
+    stages = list(range(rank, len(bounds), c.pp))
     mode, half = resolve_amp(cfg)
     half_b = torch.finfo(half).bits // 8
     ln_fp32 = cfg.AMP.LAYER_NORM_FP32
@@ -205,11 +197,11 @@ def _stage_memory(cfg, c: Candidate, stage: int, bounds, tensors) -> dict[str, i
     out = dict.fromkeys(("params", "grads", "optimizer", "master", "ema"), 0)
     block_numel = stage_numel = 0
     for name, shape, is_ln in tensors:
-        if not _on_stage(name, stage, bounds):
+        if not _on_stages(name, stages, bounds):
             continue
         shape = _tp_shape(name, shape, c.tp)
         stage_numel += math.prod(shape)
-        if _block_of(name) == bounds[stage][0]:
+        if _block_of(name) == bounds[stages[0]][0]:
             block_numel += math.prod(shape)
         n = _local_numel(shape, c.dp, c.fsdp)
         if mode is AmpMode.O3 or (
@@ -238,7 +230,7 @@ def _stage_memory(cfg, c: Candidate, stage: int, bounds, tensors) -> dict[str, i
         else:
             out["gathered"] = int(block_numel * (2 * compute_b + 4))
     images = cfg.TRAIN.BATCH_SIZE // c.dp // cfg.TRAIN.ACCUM_STEPS
-    layers = bounds[stage][1] - bounds[stage][0]
+    layers = sum(bounds[s][1] - bounds[s][0] for s in stages)
     if c.pp > 1:
         m = c.micro
         micro = images / m
@@ -247,9 +239,9 @@ def _stage_memory(cfg, c: Candidate, stage: int, bounds, tensors) -> dict[str, i
         if schedule == "gpipe":
             in_flight = m
         elif schedule == "1f1b":
-            in_flight = min(m, c.pp - stage)
+            in_flight = min(m, c.pp - rank)
         else:
-            in_flight = min(m, (c.pp - stage) * (1 + (c.pp - 1) / (2 * c.pp)))
+            in_flight = min(m, (c.pp - rank) * (1 + (c.pp - 1) / (2 * c.pp)))
         images = micro * in_flight
     out["activations"] = activation_bytes(cfg, images, c.checkpoint, c.tp, layers)
     out["total"] = sum(out.values())

@@ -1,5 +1,6 @@
-"""Checkpoints of tensor-parallel runs resume at other layouts (one process, FSDP)
-and the reverse, ending as the uninterrupted run does (digits, 2 gloo processes)."""
+"""Checkpoints of tensor- and pipeline-parallel runs resume at other layouts (one
+process, FSDP, TP, PP) and the reverse, ending as the uninterrupted run does
+(digits, 2 gloo processes)."""
 
 import os
 
@@ -19,7 +20,7 @@ from tests.integration.test_distributed import (
 pytestmark = pytest.mark.slow
 
 
-def test_tp_checkpoints_reshard_to_one_process_and_fsdp_and_back(digits, tmp_path):
+def test_checkpoints_reshard_across_tp_pp_fsdp_and_one_process(digits, tmp_path):
     common = [
         "OPTIM.MAX_EPOCH", "2", "TRAIN.CHECKPOINT_ITER_PERIOD", "5", *FP32,
         "OPTIM.EMA_ALPHA", "0.05", "OPTIM.EMA_UPDATE_PERIOD", "1",
@@ -57,7 +58,17 @@ def test_tp_checkpoints_reshard_to_one_process_and_fsdp_and_back(digits, tmp_pat
     _keep(fsdp_dir, back_dir, ["model_epoch_0002_iter_000010.dcp"])
     back = _train(digits, back_dir, *common, *tp2)
     assert len(_losses(back)) == 1
-    for resumed in (one, fsdp, back):
+    # TP2 -> a 2-stage pipeline, then its iteration-10 checkpoint -> one process.
+    pp_dir = tmp_path / "pp"
+    _keep(full_dir, pp_dir, [mid])
+    pp = _train(digits, pp_dir, *common, "NUM_GPUS", "2", "PARALLEL.PP", "2")
+    with open(pp_dir / "stdout.log") as f:
+        assert "pipeline: 2 stages (1f1b), blocks stage 0: 0-0" in f.read()
+    last_dir = tmp_path / "last"
+    _keep(pp_dir, last_dir, ["model_epoch_0002_iter_000010.dcp"])
+    last = _train(digits, last_dir, *common, "NUM_GPUS", "1")
+    assert len(_losses(last)) == 1
+    for resumed in (one, fsdp, back, pp, last):
         test = _final_test(resumed)
         assert abs(test["loss"] - target["loss"]) <= FP32_TOL
         assert test["top1_err"] == pytest.approx(target["top1_err"], abs=0.3)
