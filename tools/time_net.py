@@ -242,7 +242,10 @@ def measure(cfg, args):
     apply_backend_flags(cfg)
     seed_everything(cfg.RNG_SEED)
     parts = build_components(cfg, loaders=False)
-    world = distributed.world_size()
+    # Data-parallel replicas: each holds a batch; with TP / PP a replica spans
+    # TP x PP processes (the "processes" of the figures below are replicas).
+    world = parts.layout.dp
+    devices = parts.layout.tp * parts.layout.pp
     batch = cfg.TRAIN.BATCH_SIZE // world
     warmup, iters = cfg.PREC_TIME.WARMUP_ITER, cfg.PREC_TIME.NUM_ITER
     budget = {k: share * args.seconds for k, share in SHARES.items()}
@@ -261,7 +264,7 @@ def measure(cfg, args):
     peak = timing.matmul_peak_flops(parts.device, dtype)
     flops = complexity(cfg)["flops"]  # multiply-adds per image, forward
     train_rate = batch / train["step_s"] * world
-    achieved = timing.train_flops(flops, batch) / train["step_s"]
+    achieved = timing.train_flops(flops, batch) / train["step_s"] / devices
     bottleneck = min(train_rate, loader_rate * world) if loader_rate else train_rate
     record = {
         "config": args.cfg_file,

@@ -166,8 +166,8 @@ def stage_union(modules: list[ViT]) -> ViT:
 
 class PipelineRunner:
     """A rank's stages under the configured schedule: one for training steps (its
-    micro-batch shapes inferred at the first step) and one for evaluation (test
-    batches padded to TEST.BATCH_SIZE / DP, so its shapes never change either)."""
+    micro-batch shapes inferred at the first step; the batch size is fixed) and one
+    per evaluation batch size (partial batches are padded to whole ones)."""
 
     def __init__(
         self,
@@ -186,7 +186,9 @@ class PipelineRunner:
         self.n_micro = pp_microbatches(cfg)
         self._loss_fn = None
         self._train = self._schedule(self._loss) if train else None
-        self._eval = None
+        # One schedule per padded batch size: a stage infers its activations'
+        # shapes at its first call and keeps them.
+        self._eval = {}
 
     def _loss(self, output, target):
         return self._loss_fn(output, target)
@@ -222,9 +224,9 @@ class PipelineRunner:
         """Logits (n, classes) of `inputs` (n <= `size` images, padded to `size`
         rounded up to whole micro-batches) on the last stage, else None; every rank
         of the pipeline calls it with the same batch."""
-        if self._eval is None:
-            self._eval = self._schedule(None)
         size = -(-size // self.n_micro) * self.n_micro
+        if size not in self._eval:
+            self._eval[size] = self._schedule(None)
         args = ()
         n = len(inputs)
         if self.is_first:
@@ -233,5 +235,5 @@ class PipelineRunner:
                 inputs = torch.cat([inputs, pad])
             args = (inputs,)
         with torch.no_grad():
-            out = self._eval.eval(*args)
+            out = self._eval[size].eval(*args)
         return out[:n] if self.is_last else None

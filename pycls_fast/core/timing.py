@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from pycls_fast.core.precision import AmpMode, autocast, input_dtype
-from pycls_fast.core.trainer import Components, mean_logits, train_step
+from pycls_fast.core.trainer import Components, eval_forward, train_step
+from pycls_fast.core.trainer import forward_backward as trainer_forward_backward
 from pycls_fast.datasets.loader import ImageLoader
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
@@ -164,12 +164,12 @@ def time_train(
 
     def forward() -> None:
         with torch.no_grad(), autocast(device.type, parts.mode, parts.half_dtype):
-            model(inputs)
+            eval_forward(parts, parts.model, inputs)
 
     def forward_backward() -> None:
-        with autocast(device.type, parts.mode, parts.half_dtype):
-            loss = F.cross_entropy(mean_logits(model(inputs)).float(), targets)
-        loss.backward()
+        trainer_forward_backward(parts, inputs, targets)
+        for p in parts.opt_params:
+            p.grad = None
         for p in model.parameters():
             p.grad = None
 
@@ -226,7 +226,7 @@ def time_test(
 
     def forward() -> None:
         with torch.no_grad(), autocast(parts.device.type, parts.mode, parts.half_dtype):
-            model(inputs)
+            eval_forward(parts, parts.model, inputs)
 
     name = f"evaluation (batch {batch_size})"
     _compile_first(parts.cfg, name, [forward], progress)

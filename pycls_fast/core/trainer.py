@@ -352,7 +352,7 @@ def _gradient_sync(model, enabled):
         model.require_backward_grad_sync = enabled
 
 
-def _forward_backward(parts, inputs, targets, weight):
+def forward_backward(parts, inputs, targets, weight=1.0):
     """Forward and backward of the batch in TRAIN.ACCUM_STEPS micro-batches, each
     loss weighted by its share of the batch (their sum is the batch's mean loss;
     the gradients add up to the whole batch's); returns (loss, logits) detached."""
@@ -425,7 +425,7 @@ def train_step(parts, inputs, targets, weight=1.0):
     flag, a 0-d float32 device tensor (1.0: the step was skipped), else None.
     Nothing is read back to the host (fp16 with a non-fused optimizer reads the
     flag)."""
-    loss, logits = _forward_backward(parts, inputs, targets, weight)
+    loss, logits = forward_backward(parts, inputs, targets, weight)
     if parts.master is not None:
         parts.master.grads_to_master()
     found_inf = parts.scaler.unscale_(parts.opt_params)
@@ -583,10 +583,14 @@ def _log_train_iter(parts, meter, epoch, it, iters, lr, skipped):
     return record
 
 
-def _eval_forward(model, runner, inputs, size):
-    """`model`'s logits of `inputs`, or through its pipeline `runner` (None on the
-    ranks before the last stage; `size`: the padded batch)."""
-    return model(inputs) if runner is None else runner.evaluate(inputs, size)
+def eval_forward(parts, model, inputs, size=None):
+    """`model`'s (parts.model's or parts.ema's) logits of `inputs`, through its
+    pipeline under PARALLEL.PP: then None on the ranks before the last stage, and
+    the batch is padded to `size` images (default: its own)."""
+    runner = parts.ema_pipeline if model is parts.ema else parts.pipeline
+    if runner is None:
+        return model(inputs)
+    return runner.evaluate(inputs, size or len(inputs))
 
 
 def _pad_sharded_forwards(parts, model, done):
@@ -599,11 +603,10 @@ def _pad_sharded_forwards(parts, model, done):
     size = parts.cfg.TRAIN.IM_SIZE
     dtype = input_dtype(parts.mode, parts.half_dtype)
     blank = torch.zeros(1, 3, size, size, dtype=dtype, device=parts.device)
-    runner = parts.ema_pipeline if model is parts.ema else parts.pipeline
     size = parts.cfg.TEST.BATCH_SIZE // parts.layout.dp
     for _ in range(most - done):
         with autocast(parts.device.type, parts.mode, parts.half_dtype):
-            _eval_forward(model, runner, blank, size)
+            eval_forward(parts, model, blank, size)
 
 
 @torch.no_grad()
@@ -616,13 +619,12 @@ def test_epoch(parts, model, epoch, kind="test_epoch", label=None, extra=None):
     meter = EpochMeter()
     # The EMA is kept in fp32 (core/ema.py): under O3 it runs autocast like O2.
     mode = AmpMode.O2 if parts.mode is AmpMode.O3 and model is parts.ema else parts.mode
-    runner = parts.ema_pipeline if model is parts.ema else parts.pipeline
     size = cfg.TEST.BATCH_SIZE // parts.layout.dp
     for inputs, labels in parts.test_batches:
         if not len(labels):
             continue
         with autocast(parts.device.type, mode, parts.half_dtype):
-            logits = _eval_forward(model, runner, inputs, size)
+            logits = eval_forward(parts, model, inputs, size)
         if logits is None:  # a pipeline stage before the last: nothing to count
             meter.add(0.0, 0.0, 0.0, 0)
             continue

@@ -10,8 +10,8 @@ from pycls_fast.config import load_cfg
 from pycls_fast.core import distributed, launch, timing
 from pycls_fast.core.planner import Candidate, per_rank_memory
 from pycls_fast.core.trainer import (
-    _forward_backward,
     build_components,
+    forward_backward,
     seed_everything,
     train_step,
 )
@@ -36,7 +36,7 @@ def _measure(cfg):
     per_rank = cfg.TRAIN.BATCH_SIZE // distributed.world_size()
     inputs, targets = timing.synthetic_batch(parts, per_rank, cfg.TRAIN.IM_SIZE)
     train_step(parts, inputs, targets)  # creates the optimizer state
-    _forward_backward(parts, inputs, targets, 1.0)  # the next step's gradients
+    forward_backward(parts, inputs, targets)  # the next step's gradients
     if parts.master is not None:
         parts.master.grads_to_master()
     model_params = list(parts.model.parameters())
