@@ -339,7 +339,7 @@ def format_plan(
     lines = [
         f"{name} on {num_gpus} x {gpu_gib:g} GiB GPUs, GiB per rank "
         "(params / grads / optimizer / master / ema / gathered / activations = total),"
-        " predicted speed relative to data parallelism:"
+        " predicted speed as a fraction of the assumed peak:"
     ]
     ranked = sorted(rows, key=lambda r: (not r.fits, -r.speed, r.memory["total"]))
     if show:
