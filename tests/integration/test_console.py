@@ -59,8 +59,8 @@ def test_terminal_shows_human_lines(digits, tmp_path):
     lines = shown.replace("\r", "\n").splitlines()
     # The first lines: where, on what, and how the batch is split.
     assert any(f"output folder {out}; device cpu" in line for line in lines)
-    assert any("batch 64 images per step (TRAIN.BATCH_SIZE), 64 per process; 1 "
-               "epoch(s)" in line for line in lines)  # fmt: skip
+    assert any("batch 64 images per step (TRAIN.BATCH_SIZE), 64 per data-parallel "
+               "rank; 1 epoch(s)" in line for line in lines)  # fmt: skip
     records = load_json_stats(os.path.join(out, "stdout.log"))
     it = next(r for r in records if r["_type"] == "train_iter")
     human = (
