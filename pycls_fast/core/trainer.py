@@ -387,6 +387,13 @@ def _pipeline_forward_backward(parts, inputs, targets, weight):
     accumulation); the loss is shared from the last stage with the others, so that
     every rank sees a non-finite loss. Returns (loss, logits) detached; the logits
     are zeros on ranks without the last stage (they count no images)."""
+    n = len(targets)
+    full = parts.cfg.TRAIN.BATCH_SIZE // parts.layout.dp
+    if n < full:
+        # A batch short of its bad images: a pipeline's shapes are fixed, so its
+        # own images fill it, repeated (they weigh a little more in this step).
+        fill = torch.arange(full, device=targets.device) % n
+        inputs, targets = inputs[fill], targets[fill]
     unscaled = []
 
     def loss_fn(out, y):
@@ -404,8 +411,8 @@ def _pipeline_forward_backward(parts, inputs, targets, weight):
     dist.all_reduce(loss, group=parts.pipeline.group)  # 0 from the other stages
     if logits is None:
         classes = parts.cfg.MODEL.NUM_CLASSES
-        logits = torch.zeros(len(targets), classes, device=parts.device)
-    return loss, logits
+        logits = torch.zeros(n, classes, device=parts.device)
+    return loss, logits[:n]
 
 
 def mean_logits(out):
@@ -452,8 +459,11 @@ def _step_without_images(parts):
         return
     size = parts.cfg.TRAIN.IM_SIZE
     dtype = input_dtype(parts.mode, parts.half_dtype)
-    # One image per micro-batch: as many forwards (FSDP's gathers) as the others.
+    # One image per micro-batch: as many forwards (FSDP's gathers) as the others;
+    # a pipeline takes its fixed batch.
     n = parts.cfg.TRAIN.ACCUM_STEPS
+    if parts.pipeline is not None:
+        n = parts.cfg.TRAIN.BATCH_SIZE // parts.layout.dp
     blank = torch.zeros(n, 3, size, size, dtype=dtype, device=parts.device)
     label = torch.zeros(n, dtype=torch.long, device=parts.device)
     train_step(parts, blank, label, weight=0.0)

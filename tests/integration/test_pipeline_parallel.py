@@ -115,3 +115,36 @@ def test_pp2_under_amp_stays_within_bf16_rounding(schedule, tmp_path):
     pp = _run(tmp_path, "pp", [*amp, "NUM_GPUS", "2", "PARALLEL.PP", "2"])
     torch.testing.assert_close(pp["losses"], one["losses"], rtol=2e-2, atol=0)
     assert pp["losses"][-1] < pp["losses"][0]
+
+
+def test_pp2_with_activation_checkpointing(tmp_path):
+    ac = [*BASE, "FSDP.ACTIVATION_CHECKPOINT", "True"]
+    one = _run(tmp_path, "one", ac)
+    pp = _run(tmp_path, "pp", [*ac, "NUM_GPUS", "2", "PARALLEL.PP", "2"])
+    _same(pp, one)
+
+
+def _short_step(cfg):
+    """One step on 6 of the batch's 8 images (2 were bad); rank 0 returns the loss.
+    With `filled` in OUT_DIR's name, one process steps on the batch the pipeline
+    fills: the 6 images, then the first 2 again."""
+    seed_everything(0)
+    parts = build_components(cfg, loaders=False)
+    inputs, targets = timing.synthetic_batch(parts, 8, cfg.TRAIN.IM_SIZE)
+    keep = torch.arange(6)
+    if "filled" in cfg.OUT_DIR:
+        keep = torch.arange(8) % 6
+    loss, logits, _ = train_step(parts, inputs[keep], targets[keep])
+    assert len(logits) == len(keep)
+    return float(loss)
+
+
+def test_a_batch_short_of_bad_images_is_filled_with_its_own(tmp_path):
+    pp = [*BASE, "NUM_GPUS", "2", "PARALLEL.PP", "2"]
+    short = launch.launch(
+        _short_step, load_cfg(None, [*pp, "OUT_DIR", str(tmp_path / "short")])
+    )
+    filled = launch.launch(
+        _short_step, load_cfg(None, [*BASE, "OUT_DIR", str(tmp_path / "filled")])
+    )
+    assert short == pytest.approx(filled, rel=1e-5)

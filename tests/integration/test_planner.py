@@ -72,6 +72,10 @@ LAYOUTS = {
         ],
         Candidate(pp=2, fsdp=True, micro=4),
     ),  # fmt: skip
+    "tp2-pp2": (
+        ["NUM_GPUS", "4", "PARALLEL.TP", "2", "PARALLEL.PP", "2"],
+        Candidate(pp=2, tp=2, micro=4),
+    ),
     "tp2-fsdp": (
         ["PARALLEL.TP", "2", "FSDP.ENABLED", "True"],
         Candidate(tp=2, fsdp=True),
@@ -83,7 +87,7 @@ LAYOUTS = {
     "layout,mode",
     [("ddp", "fp32"), ("ddp", "O2"), ("fsdp", "fp32"), ("fsdp", "O2"),
      ("tp2", "fp32"), ("tp2", "O1"), ("tp2-fsdp", "O2"), ("pp2", "fp32"),
-     ("pp2-interleaved-fsdp", "O2")],
+     ("pp2-interleaved-fsdp", "O2"), ("tp2-pp2", "fp32")],
 )  # fmt: skip
 def test_predicted_memory_is_what_the_ranks_hold(layout, mode, tmp_path):
     keys, candidate = LAYOUTS[layout]

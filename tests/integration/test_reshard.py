@@ -3,12 +3,16 @@ process, FSDP, TP, PP) and the reverse, ending as the uninterrupted run does
 (digits, 2 gloo processes)."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
+from tests.helpers import ROOT
 from tests.integration.test_distributed import (
     FP32,
     FP32_TOL,
+    TEST_NET,
     TRAIN_NET,
     _final_test,
     _keep,
@@ -72,6 +76,18 @@ def test_checkpoints_reshard_across_tp_pp_fsdp_and_one_process(digits, tmp_path)
         test = _final_test(resumed)
         assert abs(test["loss"] - target["loss"]) <= FP32_TOL
         assert test["top1_err"] == pytest.approx(target["top1_err"], abs=0.3)
+    # A TP2 checkpoint consolidates into one file (pycls's q/k/v order) that
+    # test_net reads as it reads the sharded directory.
+    ckpt = str(full_dir / "checkpoints" / "model_epoch_0002.dcp")
+    single = str(tmp_path / "tp2.pyth")
+    tool = os.path.join(ROOT, "tools/consolidate_checkpoint.py")
+    done = subprocess.run([sys.executable, tool, ckpt, single], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    for weights in (ckpt, single):
+        tested = _run(TEST_NET, digits, tmp_path / "t", *FP32, "TEST.WEIGHTS", weights)
+        assert tested.returncode == 0, tested.stderr[-2000:]
+        expected = f"top-1 accuracy: {100.0 - target['top1_err']:.2f}%"
+        assert expected in tested.stdout
     ema = [r for r in full if r["_type"] == "test_ema_epoch"][-1]
     ema_back = [r for r in back if r["_type"] == "test_ema_epoch"][-1]
     assert abs(ema["loss"] - ema_back["loss"]) <= FP32_TOL
