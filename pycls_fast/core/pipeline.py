@@ -1,11 +1,11 @@
 """Pipeline parallelism (PARALLEL.PP) with torch.distributed.pipelining.
 
-    bounds = stage_bounds(cfg, n_stages)          # blocks of each stage, by cost
-    stages = split_model(model, cfg, pp_rank, pp)  # [(stage index, pruned copy)]
-    union = stage_union(modules)                   # this rank's parameters, one module
-    runner = PipelineRunner(modules, indices, cfg, pp_group, device)
-    loss, logits = runner.train(x, y, loss_fn)     # one step's forward and backward
-    logits = runner.evaluate(x)                    # forward only
+    bounds = stage_bounds(cfg, n_stages)            # blocks of each stage, by cost
+    stages = split_model(model, cfg, pp_rank)       # [(stage index, pruned copy)]
+    union = stage_union([m for _, m in stages])     # the rank's parameters, one module
+    runner = PipelineRunner(stages, cfg, pp_group, device)
+    loss, logits = runner.train(x, y, loss_fn)      # a step's forward and backward
+    logits = runner.evaluate(x, size)               # forward only (None before last)
 
 A stage is a copy of the ViT with the other stages' parts set to None (torchtitan's
 way; ViT.forward runs the parts it holds), so its parameter names are the whole
