@@ -2,52 +2,14 @@
 the same losses step by step and the same final weights with each schedule, with
 the batch-first layout, composed with tensor parallelism and FSDP, under AMP."""
 
-import os
-
 import pytest
 import torch
 
 from pycls_fast.config import load_cfg
-from pycls_fast.core import distributed, launch, timing
-from pycls_fast.core.tensor_parallel import canonical_state_dict, tp_size
+from pycls_fast.core import launch, timing
 from pycls_fast.core.trainer import build_components, seed_everything, train_step
 from tests.helpers import TINY
-
-STEPS = 10
-
-
-def _train(cfg):
-    """STEPS steps on each data-parallel rank's own fixed batch; every rank writes
-    the losses and the weights it holds (pycls's q/k/v order) to a file."""
-    seed_everything(0)
-    parts = build_components(cfg, loaders=False)
-    per_rank = cfg.TRAIN.BATCH_SIZE // parts.layout.dp
-    inputs, targets = timing.synthetic_batch(parts, per_rank, cfg.TRAIN.IM_SIZE)
-    inputs = inputs + parts.data_rank  # the data-parallel ranks' batches differ
-    losses = []
-    for _ in range(STEPS):
-        loss, _, _ = train_step(parts, inputs, targets)
-        losses.append(float(loss))
-    state = canonical_state_dict(parts.model, tp_size(parts.model))
-    path = os.path.join(cfg.OUT_DIR, f"rank{distributed.rank()}.pt")
-    torch.save({"losses": losses, "state": state}, path)
-    return path
-
-
-def _run(tmp_path, name, opts):
-    """Rank 0's losses and the whole model's weights, gathered from every rank's
-    file (the stages hold disjoint parts)."""
-    out = tmp_path / name
-    out.mkdir()
-    cfg = load_cfg(None, [*opts, "OUT_DIR", str(out)])
-    launch.launch(_train, cfg)
-    ranks = sorted(out.glob("rank*.pt"))
-    first = torch.load(ranks[0])
-    state = {}
-    for path in ranks:
-        state.update(torch.load(path)["state"])
-    return {"losses": first["losses"], "state": state}
-
+from tests.integration.parallel_parity import run_layout
 
 BASE = [
     *TINY, "VIT.NUM_LAYERS", "4", "TRAIN.BATCH_SIZE", "8", "TEST.BATCH_SIZE", "8",
@@ -76,8 +38,10 @@ def _same(got, want, rtol=1e-4, atol=1e-6):
     ids=["gpipe", "1f1b", "interleaved", "1f1b-batch-first-token"],
 )  # fmt: skip
 def test_pp2_trains_as_one_process_fp32(extra, tmp_path):
-    one = _run(tmp_path, "one", [*BASE, *extra])
-    pp = _run(tmp_path, "pp", [*BASE, *extra, "NUM_GPUS", "2", "PARALLEL.PP", "2"])
+    one = run_layout(tmp_path, "one", [*BASE, *extra])
+    pp = run_layout(
+        tmp_path, "pp", [*BASE, *extra, "NUM_GPUS", "2", "PARALLEL.PP", "2"]
+    )
     _same(pp, one)
 
 
@@ -85,8 +49,8 @@ def test_pp2_trains_as_one_process_fp32(extra, tmp_path):
 def test_tp2_x_pp2_trains_as_one_process_fp32(tmp_path):
     """4 processes: two pipeline stages, each split over 2 tensor-parallel ranks
     (sequence parallel)."""
-    one = _run(tmp_path, "one", BASE)
-    both = _run(
+    one = run_layout(tmp_path, "one", BASE)
+    both = run_layout(
         tmp_path,
         "tp_pp",
         [*BASE, "NUM_GPUS", "4", "PARALLEL.PP", "2", "PARALLEL.TP", "2"],
@@ -99,8 +63,8 @@ def test_fsdp2_x_pp2_trains_as_fsdp2_fp32(tmp_path):
     """4 processes: two stages, each sharded over 2 data-parallel ranks, against
     FSDP over 2 processes (the same two batches)."""
     fsdp = [*BASE, "FSDP.ENABLED", "True", "TRAIN.BATCH_SIZE", "16"]
-    two = _run(tmp_path, "fsdp", [*fsdp, "NUM_GPUS", "2"])
-    both = _run(tmp_path, "fsdp_pp", [*fsdp, "NUM_GPUS", "4", "PARALLEL.PP", "2"])
+    two = run_layout(tmp_path, "fsdp", [*fsdp, "NUM_GPUS", "2"])
+    both = run_layout(tmp_path, "fsdp_pp", [*fsdp, "NUM_GPUS", "4", "PARALLEL.PP", "2"])
     _same(both, two)
 
 
@@ -111,16 +75,16 @@ def test_pp2_under_amp_stays_within_bf16_rounding(schedule, tmp_path):
     amp = [*BASE, "OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "1e-3",
            "AMP.MODE", "O1", "AMP.DTYPE", "bf16",
            "PARALLEL.PP_SCHEDULE", schedule]  # fmt: skip
-    one = _run(tmp_path, "one", amp)
-    pp = _run(tmp_path, "pp", [*amp, "NUM_GPUS", "2", "PARALLEL.PP", "2"])
+    one = run_layout(tmp_path, "one", amp)
+    pp = run_layout(tmp_path, "pp", [*amp, "NUM_GPUS", "2", "PARALLEL.PP", "2"])
     torch.testing.assert_close(pp["losses"], one["losses"], rtol=2e-2, atol=0)
     assert pp["losses"][-1] < pp["losses"][0]
 
 
 def test_pp2_with_activation_checkpointing(tmp_path):
     ac = [*BASE, "FSDP.ACTIVATION_CHECKPOINT", "True"]
-    one = _run(tmp_path, "one", ac)
-    pp = _run(tmp_path, "pp", [*ac, "NUM_GPUS", "2", "PARALLEL.PP", "2"])
+    one = run_layout(tmp_path, "one", ac)
+    pp = run_layout(tmp_path, "pp", [*ac, "NUM_GPUS", "2", "PARALLEL.PP", "2"])
     _same(pp, one)
 
 

@@ -3,44 +3,11 @@ same losses step by step and the same final weights, in fp32 and under AMP, with
 without sequence parallelism, composed with FSDP; checkpoints that load at another
 layout."""
 
-import os
-
 import pytest
 import torch
 
-from pycls_fast.config import load_cfg
-from pycls_fast.core import distributed, launch, timing
-from pycls_fast.core.tensor_parallel import canonical_state_dict, tp_size
-from pycls_fast.core.trainer import build_components, seed_everything, train_step
 from tests.helpers import TINY
-
-STEPS = 10
-
-
-def _train(cfg):
-    """STEPS steps on each data-parallel rank's own fixed batch; rank 0 writes the
-    losses and the whole model's weights (pycls's q/k/v order) to a file."""
-    seed_everything(0)
-    parts = build_components(cfg, loaders=False)
-    per_rank = cfg.TRAIN.BATCH_SIZE // parts.layout.dp
-    inputs, targets = timing.synthetic_batch(parts, per_rank, cfg.TRAIN.IM_SIZE)
-    inputs = inputs + parts.data_rank  # the data-parallel ranks' batches differ
-    losses = []
-    for _ in range(STEPS):
-        loss, _, _ = train_step(parts, inputs, targets)
-        losses.append(float(loss))
-    state = canonical_state_dict(parts.model, tp_size(parts.model))
-    path = os.path.join(cfg.OUT_DIR, f"rank{distributed.rank()}.pt")
-    torch.save({"losses": losses, "state": state}, path)
-    return path
-
-
-def _run(tmp_path, name, opts):
-    out = tmp_path / name
-    out.mkdir()
-    cfg = load_cfg(None, [*opts, "OUT_DIR", str(out)])
-    return torch.load(launch.launch(_train, cfg))
-
+from tests.integration.parallel_parity import run_layout
 
 # SGD for the weight comparisons: Adam divides each gradient by its own size, so a
 # gradient that is rounding noise (attn_proj's k bias: softmax ignores it) moves its
@@ -66,8 +33,10 @@ ADAMW = ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "1e-3"]
     ids=["tp", "tp-sp", "tp-sp-batch-first", "tp-class-token"],
 )
 def test_tp2_trains_as_one_process_fp32(extra, tmp_path):
-    one = _run(tmp_path, "one", [*BASE, *extra])
-    tp = _run(tmp_path, "tp", [*BASE, *extra, "NUM_GPUS", "2", "PARALLEL.TP", "2"])
+    one = run_layout(tmp_path, "one", [*BASE, *extra])
+    tp = run_layout(
+        tmp_path, "tp", [*BASE, *extra, "NUM_GPUS", "2", "PARALLEL.TP", "2"]
+    )
     torch.testing.assert_close(tp["losses"], one["losses"], rtol=1e-5, atol=1e-6)
     assert one["losses"][-1] < one["losses"][0]
     for key, value in one["state"].items():
@@ -88,8 +57,8 @@ def test_tp2_under_amp_stays_within_bf16_rounding(extra, tmp_path):
     losses stay within a few bf16 roundings of one process's (bf16 has 8 bits:
     2e-2 is about 5 roundings)."""
     amp = [*BASE, *ADAMW, "AMP.DTYPE", "bf16", *extra]
-    one = _run(tmp_path, "one", amp)
-    tp = _run(tmp_path, "tp", [*amp, "NUM_GPUS", "2", "PARALLEL.TP", "2"])
+    one = run_layout(tmp_path, "one", amp)
+    tp = run_layout(tmp_path, "tp", [*amp, "NUM_GPUS", "2", "PARALLEL.TP", "2"])
     torch.testing.assert_close(tp["losses"], one["losses"], rtol=2e-2, atol=0)
     assert tp["losses"][-1] < tp["losses"][0]
 
@@ -99,8 +68,8 @@ def test_fsdp2_x_tp2_trains_as_fsdp2_fp32(tmp_path):
     """4 processes, FSDP over 2 data-parallel ranks x TP 2, against FSDP over 2
     processes (the same two batches); FSDP against one process is tested elsewhere."""
     fsdp = [*BASE, "FSDP.ENABLED", "True", "TRAIN.BATCH_SIZE", "16"]
-    two = _run(tmp_path, "fsdp", [*fsdp, "NUM_GPUS", "2"])
-    both = _run(tmp_path, "fsdp_tp", [*fsdp, "NUM_GPUS", "4", "PARALLEL.TP", "2"])
+    two = run_layout(tmp_path, "fsdp", [*fsdp, "NUM_GPUS", "2"])
+    both = run_layout(tmp_path, "fsdp_tp", [*fsdp, "NUM_GPUS", "4", "PARALLEL.TP", "2"])
     torch.testing.assert_close(both["losses"], two["losses"], rtol=1e-5, atol=1e-6)
     for key, value in two["state"].items():
         torch.testing.assert_close(both["state"][key], value, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,45 @@
+"""Shared by the tensor- and pipeline-parallel parity tests: STEPS training steps of
+a layout, its losses and the whole model's weights gathered from every rank."""
+
+import os
+
+import torch
+
+from pycls_fast.config import load_cfg
+from pycls_fast.core import distributed, launch, timing
+from pycls_fast.core.tensor_parallel import canonical_state_dict, tp_size
+from pycls_fast.core.trainer import build_components, seed_everything, train_step
+
+STEPS = 10
+
+
+def train_and_save(cfg):
+    """STEPS steps on each data-parallel rank's own fixed batch; every rank writes
+    the losses and the weights it holds (pycls's q/k/v order) to a file."""
+    seed_everything(0)
+    parts = build_components(cfg, loaders=False)
+    per_rank = cfg.TRAIN.BATCH_SIZE // parts.layout.dp
+    inputs, targets = timing.synthetic_batch(parts, per_rank, cfg.TRAIN.IM_SIZE)
+    inputs = inputs + parts.data_rank  # the data-parallel ranks' batches differ
+    losses = []
+    for _ in range(STEPS):
+        loss, _, _ = train_step(parts, inputs, targets)
+        losses.append(float(loss))
+    state = canonical_state_dict(parts.model, tp_size(parts.model))
+    path = os.path.join(cfg.OUT_DIR, f"rank{distributed.rank()}.pt")
+    torch.save({"losses": losses, "state": state}, path)
+    return path
+
+
+def run_layout(tmp_path, name, opts):
+    """{losses: rank 0's, state: the whole model's} of training with `opts` (the
+    stages of a pipeline hold disjoint parts; tensor-parallel ranks all of it)."""
+    out = tmp_path / name
+    out.mkdir()
+    launch.launch(train_and_save, load_cfg(None, [*opts, "OUT_DIR", str(out)]))
+    ranks = sorted(out.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
+    first = torch.load(ranks[0])
+    state = {}
+    for path in ranks:
+        state.update(torch.load(path)["state"])
+    return {"losses": first["losses"], "state": state}
