@@ -879,7 +879,9 @@ _C.PARALLEL = CfgNode()
 _key("PARALLEL.TP", 1, gt=0)
 
 # With TP > 1: shard the token sequence across the tensor-parallel ranks around the
-# LayerNorms and residual adds (sequence parallelism: activations / TP there)
+# LayerNorms and residual adds (sequence parallelism: activations / TP there); it
+# applies when every token count of the run divides by TP (else the sequence stays
+# whole, and the log says so)
 _key("PARALLEL.SEQUENCE_PARALLEL", True)
 
 # Pipeline stages: the encoder split into PP stages of balanced cost (the stem with the
@@ -893,9 +895,9 @@ _key("PARALLEL.PP_SCHEDULE", "1f1b", choices=["gpipe", "1f1b", "interleaved"])
 # Micro-batches per step and data-parallel rank in a pipeline (0 = 2 x PP)
 _key("PARALLEL.PP_MICROBATCHES", 0, ge=0)
 
-# Let the planner choose PARALLEL.TP, PARALLEL.PP, FSDP.ENABLED and
-# FSDP.ACTIVATION_CHECKPOINT for NUM_GPUS devices of this machine's memory: the
-# fastest predicted layout that fits (tools/plan_net.py prints the same table)
+# Let the planner choose PARALLEL.TP, PARALLEL.PP, PARALLEL.PP_MICROBATCHES,
+# FSDP.ENABLED and FSDP.ACTIVATION_CHECKPOINT for NUM_GPUS devices of this machine's
+# memory: the fastest predicted layout that fits (tools/plan_net.py prints the table)
 _key("PARALLEL.AUTO", False)
 
 
