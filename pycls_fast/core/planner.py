@@ -337,7 +337,7 @@ def format_plan(
     """The plan as a text table (GiB per rank): the chosen layout and the `show`
     fastest others that fit, then the simplest that do not (0: all rows)."""
     lines = [
-        f"{name} on {num_gpus} x {gpu_gib:g} GiB GPUs, GiB per rank "
+        f"{name} on {num_gpus} x {gpu_gib:.3g} GiB GPUs, GiB per rank "
         "(params / grads / optimizer / master / ema / gathered / activations = total),"
         " predicted speed as a fraction of the assumed peak:"
     ]
