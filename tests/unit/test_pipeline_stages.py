@@ -2,10 +2,13 @@
 give the whole model's logits and gradients under its parameter names, a rank's
 stages as one module."""
 
+import itertools
+
 import pytest
 import torch
 
 from pycls_fast.core.pipeline import (
+    _costs,
     rank_stage_indices,
     split_model,
     stage_bounds,
@@ -84,3 +87,26 @@ def test_chained_stages_are_the_whole_model(layout):
     names = {n for i, m in stages if i in (0, 2) for n, _ in m.named_parameters()}
     assert {n for n, _ in union.named_parameters()} == names
     assert set(union.state_dict()) <= set(whole.state_dict())
+
+
+@pytest.mark.parametrize("classes", ["10", "3000", "20000", "100000"])
+def test_stage_bounds_are_the_best_contiguous_split(classes):
+    """Against every way of cutting 8 blocks into 2-5 non-empty stages: no split has
+    a cheaper most expensive stage (stem on the first, head on the last)."""
+    cfg = _cfg("VIT.NUM_LAYERS", "8", "MODEL.NUM_CLASSES", classes)
+    stem, blocks, head = _costs(cfg)
+
+    def worst(bounds):
+        costs = [sum(blocks[a:b]) for a, b in bounds]
+        costs[0] += stem
+        costs[-1] += head
+        return max(costs)
+
+    for n in range(2, 6):
+        bounds = stage_bounds(cfg, n)
+        assert len(bounds) == n and bounds[0][0] == 0 and bounds[-1][1] == 8
+        assert all(a < b for a, b in bounds)
+        assert all(x[1] == y[0] for x, y in zip(bounds, bounds[1:]))
+        splits = itertools.combinations(range(1, 8), n - 1)
+        best = min(worst(list(zip((0, *c), (*c, 8)))) for c in splits)
+        assert worst(bounds) == best
