@@ -1359,6 +1359,12 @@ def _check_parallel(cfg: CfgNode) -> None:
                 f"PARALLEL.PP_MICROBATCHES ({n}) must be at least PARALLEL.PP ({pp}) "
                 f"for the {cfg.PARALLEL.PP_SCHEDULE} schedule"
             )
+        if cfg.PARALLEL.PP_SCHEDULE == "interleaved" and n % pp:
+            # torch's interleaved schedule runs micro-batches in rounds of PP.
+            raise ConfigError(
+                f"PARALLEL.PP_MICROBATCHES ({n}) must be a multiple of PARALLEL.PP "
+                f"({pp}) for the interleaved schedule"
+            )
         for key, on in (
             ("DISTILL.TYPE", cfg.DISTILL.TYPE != "none"),
             ("TRAIN.ACCUM_STEPS", cfg.TRAIN.ACCUM_STEPS > 1),
