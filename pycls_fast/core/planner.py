@@ -50,6 +50,7 @@ from yacs.config import CfgNode
 from pycls_fast.config import with_overrides
 from pycls_fast.core.pipeline import stage_bounds, stages_per_rank
 from pycls_fast.core.precision import AmpMode, resolve_amp
+from pycls_fast.core.tensor_parallel import COLUMN_SPLIT, ROW_SPLIT, sequence_parallel
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
 
@@ -66,10 +67,6 @@ MIN_MICRO = 4
 # Tokens per forward at which a block's matmuls run at half their large-batch speed
 # (an assumption: launch and tile overheads; small micro-batches pay it).
 HALF_TOKENS = 1024
-# Block matmuls that tensor parallelism splits: by rows (dim 0, with their biases)
-# or by columns (dim 1 of the weight; the bias stays whole).
-_ROWS = ("attn_proj", "linear_1")
-_COLS = ("out_proj", "linear_2")
 
 
 @dataclass(frozen=True)
@@ -124,9 +121,9 @@ def _on_stages(name: str, stages: list[int], bounds) -> bool:
 def _tp_shape(name: str, shape, tp: int):
     if tp == 1 or not shape:
         return shape
-    if any(f".{m}." in name for m in _ROWS):
+    if any(f".{m}." in name for m in ROW_SPLIT):
         return (shape[0] // tp, *shape[1:])
-    if any(f".{m}." in name for m in _COLS) and name.endswith("weight"):
+    if any(f".{m}." in name for m in COLUMN_SPLIT) and name.endswith("weight"):
         return (shape[0], shape[1] // tp)
     return shape
 
@@ -164,7 +161,7 @@ def activation_bytes(
     n = layers or cfg.VIT.NUM_LAYERS
     mode, _ = resolve_amp(cfg)
     scale = 2.0 if mode is AmpMode.FP32 else 1.0
-    sp = tp > 1 and cfg.PARALLEL.SEQUENCE_PARALLEL and s % tp == 0
+    sp = sequence_parallel(cfg, tp)
     if sp:
         per_block = s * h * (34 + 5 * a * s / h) / tp
     else:

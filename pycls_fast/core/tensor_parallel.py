@@ -44,11 +44,19 @@ from pycls_fast.models.vit import LayerScale, ViT, ViTEncoderBlock
 QKV_SUFFIXES = ("attn_proj.weight", "attn_proj.bias")
 
 
-def sequence_parallel(cfg: CfgNode) -> bool:
-    """PARALLEL.SEQUENCE_PARALLEL where it applies: TP > 1 and the token count of
-    every image size the run uses divisible by TP (DTensor's sequence split takes
-    even shards; a class token makes 197 tokens of a 224 px, 16 px patch image)."""
-    tp = cfg.PARALLEL.TP
+# The block matmuls split by output rows (ColwiseParallel, with their biases) and by
+# input columns (RowwiseParallel; the bias stays whole): `_block_plan` and the
+# planner's per-rank shares both follow these names.
+ROW_SPLIT = ("attn_proj", "linear_1")
+COLUMN_SPLIT = ("out_proj", "linear_2")
+
+
+def sequence_parallel(cfg: CfgNode, tp: int | None = None) -> bool:
+    """PARALLEL.SEQUENCE_PARALLEL where it applies: TP (PARALLEL.TP unless given)
+    > 1 and the token count of every image size the run uses divisible by TP
+    (DTensor's sequence split takes even shards; a class token makes 197 tokens of a
+    224 px, 16 px patch image)."""
+    tp = tp or cfg.PARALLEL.TP
     if tp == 1 or not cfg.PARALLEL.SEQUENCE_PARALLEL:
         return False
     prefix = int(cfg.VIT.CLASSIFIER_TYPE == "token") + int(cfg.VIT.DISTILL_TOKEN)
@@ -216,11 +224,11 @@ def canonical_state_dict(model: nn.Module, tp: int) -> dict[str, torch.Tensor]:
     """The full model state on every rank (DTensors gathered), attn_proj rows back in
     pycls's q/k/v order: equal to one process's state dict. For tests and tools."""
     out = {}
-    inverse = None
     for key, value in model.state_dict().items():
         if isinstance(value, DTensor):
             value = value.full_tensor()
         if tp > 1 and _is_qkv(key):
+            # Back to pycls's order: the inverse of apply_tp's row permutation.
             order = qkv_rank_order(value.size(0), tp)
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(order.numel())

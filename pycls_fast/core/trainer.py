@@ -256,7 +256,7 @@ def build_components(
         ema = None
         if ema_stages is not None:
             for _, e in ema_stages:
-                _parallelize_ema(e, cfg, mode, half, layout, mesh)
+                _parallelize(e, cfg, mode, half, device, layout, mesh, ema=True)
             ema = stage_union([e for _, e in ema_stages])
             ema_pipeline = PipelineRunner(ema_stages, cfg, group, device, train=False)
         model = trained
@@ -270,7 +270,7 @@ def build_components(
     else:
         ema = create_ema(model) if ema_enabled(cfg) else None
         if ema is not None:
-            _parallelize_ema(ema, cfg, mode, half, layout, mesh)
+            _parallelize(ema, cfg, mode, half, device, layout, mesh, ema=True)
         trained = _parallelize(model, cfg, mode, half, device, layout, mesh)
     distiller = None
     if weights is None:  # training: the teacher, if any
@@ -316,25 +316,24 @@ def build_components(
     return parts
 
 
-def _parallelize(model, cfg, mode, half, device, layout, mesh):
+def _parallelize(model, cfg, mode, half, device, layout, mesh, ema=False):
     """Tensor parallelism (if any), then checkpointing, compile, FSDP or DDP over the
-    data-parallel ranks: the module to train (`parallelize`)."""
+    data-parallel ranks: the module to train (`parallelize`). `ema`: the EMA copy,
+    split and sharded like the model (its updates are per local tensor), and
+    neither checkpointed, compiled nor wrapped."""
+    dp_mesh = mesh["dp"] if mesh is not None else None
     if layout.tp > 1:
         sp = sequence_parallel(cfg)
         apply_tp(model, mesh["tp"], sp)
-        logger.info(
-            "tensor parallel over %d ranks, sequence parallel %s", layout.tp, sp
-        )
-    dp_mesh = mesh["dp"] if mesh is not None else None
+        if not ema:
+            logger.info(
+                "tensor parallel over %d ranks, sequence parallel %s", layout.tp, sp
+            )
+    if ema:
+        if fsdp_enabled(cfg):
+            shard_model(model, cfg, mode, half, dp_mesh)
+        return model
     return parallelize(model, cfg, mode, half, device, dp_mesh)
-
-
-def _parallelize_ema(ema, cfg, mode, half, layout, mesh):
-    """The EMA split and sharded like the model (its updates are per local tensor)."""
-    if layout.tp > 1:
-        apply_tp(ema, mesh["tp"], sequence_parallel(cfg))
-    if fsdp_enabled(cfg):
-        shard_model(ema, cfg, mode, half, mesh["dp"] if mesh is not None else None)
 
 
 def _bounds(cfg, stages):
