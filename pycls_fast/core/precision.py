@@ -92,6 +92,12 @@ def prepare_model(
     return model
 
 
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float32 if it is in half precision, else unchanged (a float64 model's
+    logits keep their precision: the parity tests compare layouts in float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def input_dtype(mode: AmpMode, dtype: torch.dtype) -> torch.dtype:
     """The dtype images are normalized to for the model's first layer."""
     return dtype if mode in (AmpMode.O2, AmpMode.O3) else torch.float32

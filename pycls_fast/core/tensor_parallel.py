@@ -259,16 +259,24 @@ def clip_grad_norm_(
             plain.append(g)
     for same_kind in by_mesh.values():
         norms = torch._foreach_norm(same_kind, 2.0)
-        total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+        total = torch.linalg.vector_norm(
+            torch.stack([_at_least_fp32(n) for n in norms])
+        )
         squares.append(total.full_tensor() ** 2)
     if plain:
         norms = torch._foreach_norm(plain, 2.0)
-        squares.append(torch.stack([n.float() for n in norms]).square().sum())
+        squares.append(torch.stack([_at_least_fp32(n) for n in norms]).square().sum())
     total = torch.stack(squares).sum() if squares else torch.zeros(())
     if group is not None:
         torch.distributed.all_reduce(total, group=group)
     norm = total.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    if local:
+        torch._foreach_mul_(local, coef.to(local[0].device))
     return norm
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    # Half-precision norms are summed in fp32; float64 ones (parity tests) stay.
+    return t.to(torch.promote_types(t.dtype, torch.float32))

@@ -61,6 +61,7 @@ from pycls_fast.core.precision import (
     LossScaler,
     MasterWeights,
     apply_backend_flags,
+    at_least_fp32,
     autocast,
     describe_precision,
     input_dtype,
@@ -371,7 +372,7 @@ def forward_backward(parts, inputs, targets, weight=1.0):
         if parts.distiller is not None:
             loss = parts.distiller.loss(parts.loss_fn, out, teacher, y) * share
         else:
-            loss = parts.loss_fn(out.float(), y) * share
+            loss = parts.loss_fn(at_least_fp32(out), y) * share
         logits = mean_logits(out)
         parts.scaler.scale(loss * weight if weight != 1.0 else loss).backward()
         losses.append(loss.detach())
@@ -396,7 +397,7 @@ def _pipeline_forward_backward(parts, inputs, targets, weight):
     unscaled = []
 
     def loss_fn(out, y):
-        loss = parts.loss_fn(out.float(), y)
+        loss = parts.loss_fn(at_least_fp32(out), y)
         unscaled.append(loss.detach())
         return parts.scaler.scale(loss * weight if weight != 1.0 else loss)
 

@@ -9,7 +9,7 @@ from pycls_fast.config import load_cfg
 from pycls_fast.core import launch, timing
 from pycls_fast.core.trainer import build_components, seed_everything, train_step
 from tests.helpers import TINY
-from tests.integration.parallel_parity import run_layout
+from tests.integration.parallel_parity import EXACT, run_layout
 
 BASE = [
     *TINY, "VIT.NUM_LAYERS", "4", "TRAIN.BATCH_SIZE", "8", "TEST.BATCH_SIZE", "8",
@@ -18,12 +18,14 @@ BASE = [
 ]  # fmt: skip
 
 
-def _same(got, want, rtol=1e-4, atol=1e-6):
-    torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6)
+def _same(got, want):
+    """Equal up to float64 summation order (parallel_parity.EXACT)."""
+    torch.testing.assert_close(got["losses"], want["losses"], **EXACT)
     assert want["losses"][-1] < want["losses"][0]
     assert got["state"].keys() == want["state"].keys()
     for key, value in want["state"].items():
-        torch.testing.assert_close(got["state"][key], value, rtol=rtol, atol=atol)
+        assert value.dtype == torch.float64
+        torch.testing.assert_close(got["state"][key], value, **EXACT)
 
 
 @pytest.mark.parametrize(

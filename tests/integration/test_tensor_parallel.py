@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY
-from tests.integration.parallel_parity import run_layout
+from tests.integration.parallel_parity import EXACT, run_layout
 
 # SGD for the weight comparisons: Adam divides each gradient by its own size, so a
 # gradient that is rounding noise (attn_proj's k bias: softmax ignores it) moves its
@@ -37,10 +37,11 @@ def test_tp2_trains_as_one_process_fp32(extra, tmp_path):
     tp = run_layout(
         tmp_path, "tp", [*BASE, *extra, "NUM_GPUS", "2", "PARALLEL.TP", "2"]
     )
-    torch.testing.assert_close(tp["losses"], one["losses"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tp["losses"], one["losses"], **EXACT)
     assert one["losses"][-1] < one["losses"][0]
     for key, value in one["state"].items():
-        torch.testing.assert_close(tp["state"][key], value, rtol=1e-4, atol=1e-6)
+        assert value.dtype == torch.float64
+        torch.testing.assert_close(tp["state"][key], value, **EXACT)
 
 
 @pytest.mark.parametrize(
@@ -70,6 +71,6 @@ def test_fsdp2_x_tp2_trains_as_fsdp2_fp32(tmp_path):
     fsdp = [*BASE, "FSDP.ENABLED", "True", "TRAIN.BATCH_SIZE", "16"]
     two = run_layout(tmp_path, "fsdp", [*fsdp, "NUM_GPUS", "2"])
     both = run_layout(tmp_path, "fsdp_tp", [*fsdp, "NUM_GPUS", "4", "PARALLEL.TP", "2"])
-    torch.testing.assert_close(both["losses"], two["losses"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(both["losses"], two["losses"], **EXACT)
     for key, value in two["state"].items():
-        torch.testing.assert_close(both["state"][key], value, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(both["state"][key], value, **EXACT)
