@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from pycls_fast.core.cli import run
 from pycls_fast.errors import UserError
+from pycls_fast.launch.cli import run
 from pycls_fast.models.attention import KERNELS, attend
 
 # name: (heads, seq, head_dim) of ViT attention at 224 px with 16 px patches

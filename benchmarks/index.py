@@ -125,7 +125,7 @@ print(json.dumps({"seconds": seconds, "added_peak_bytes": status("VmHWM") - befo
 _PLAN_CHILD = r"""
 import json, time
 import numpy as np
-from pycls_fast.datasets import sharding
+from pycls_fast.datasets.modes import sharding
 
 
 n, out = 14_197_122, {}

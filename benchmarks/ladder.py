@@ -39,20 +39,21 @@ import tempfile
 import torch
 
 from benchmarks.harness import interleave
+from pycls_fast.components.precision import apply_backend_flags, fp32_math, input_dtype
 from pycls_fast.config import load_cfg, with_overrides
-from pycls_fast.core import distributed, timing
-from pycls_fast.core.cli import run
-from pycls_fast.core.precision import apply_backend_flags, fp32_math, input_dtype
-from pycls_fast.core.trainer import (
+from pycls_fast.datasets.loader import construct_train_loader
+from pycls_fast.datasets.to_device.transform import DeviceBatchTransform
+from pycls_fast.engine import timing
+from pycls_fast.engine.trainer import (
     build_components,
     seed_everything,
     train_step,
 )
-from pycls_fast.datasets.device import DeviceBatchTransform
-from pycls_fast.datasets.loader import construct_train_loader
 from pycls_fast.errors import UserError
+from pycls_fast.launch.cli import run
 from pycls_fast.models import complexity
 from pycls_fast.models.timm_compat import build_timm_vit
+from pycls_fast.runtime import distributed
 
 # (name, label, config overrides added by this rung); each rung keeps the ones before.
 BASELINE = [
@@ -195,7 +196,7 @@ def _loader_cfg(cfg, root, workers):
 
 
 def _jpeg_folder(root, images):
-    from pycls_fast.datasets.synthetic import make_image_folder
+    from pycls_fast.datasets.formats.synthetic import make_image_folder
 
     per_class = -(-images // 4)
     make_image_folder(

@@ -42,18 +42,19 @@ import torch
 
 from benchmarks.ladder import BASELINE
 from benchmarks.ladder_plots import plot_epoch_time, plot_ladder
+from pycls_fast.components.precision import apply_backend_flags, fp32_math
 from pycls_fast.config import load_cfg
-from pycls_fast.core import distributed, timing
-from pycls_fast.core.cli import run
-from pycls_fast.core.launch import (
+from pycls_fast.engine import timing
+from pycls_fast.engine.trainer import build_components, seed_everything, train_step
+from pycls_fast.errors import UserError
+from pycls_fast.launch.cli import run
+from pycls_fast.launch.processes import (
     init_process_group,
     init_single_process_group,
     under_torchrun,
 )
-from pycls_fast.core.precision import apply_backend_flags, fp32_math
-from pycls_fast.core.trainer import build_components, seed_everything, train_step
-from pycls_fast.errors import UserError
 from pycls_fast.models import complexity
+from pycls_fast.runtime import distributed
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 

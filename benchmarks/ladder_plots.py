@@ -12,8 +12,8 @@ import argparse
 import json
 import os
 
-from pycls_fast.core.cli import run
 from pycls_fast.errors import UserError
+from pycls_fast.launch.cli import run
 
 
 def _pyplot():

@@ -42,8 +42,8 @@ from benchmarks.harness import (
     process_cpu_seconds,
 )
 from pycls_fast.config import get_cfg
-from pycls_fast.core.cli import run
 from pycls_fast.errors import UserError
+from pycls_fast.launch.cli import run
 
 MODES = ("single", "ceiling", "threads", "spdl", "threads-per-image", "processes")
 LOADERS = ("threads", "spdl", "threads-per-image", "processes")
@@ -99,7 +99,7 @@ def _cfg(args, root):
 def _data_root(args):
     if args.data:
         return args.data
-    from pycls_fast.datasets.synthetic import make_image_folder
+    from pycls_fast.datasets.formats.synthetic import make_image_folder
 
     root = args.gen_dir
     per_class, classes = 256, -(-args.images // 256)
@@ -117,7 +117,8 @@ class Bench:
     """The ways (MODES) of producing the same epoch of batches."""
 
     def __init__(self, args, root):
-        from pycls_fast.datasets import loader, sharding
+        from pycls_fast.datasets import loader
+        from pycls_fast.datasets.modes import sharding
 
         self.args = args
         self.cfg = _cfg(args, root)
@@ -207,7 +208,7 @@ class Bench:
     def _threads_per_image(self):
         from spdl.pipeline import PipelineBuilder
 
-        from pycls_fast.datasets.batch import make_batch
+        from pycls_fast.datasets.modes.batch import make_batch
 
         decoder = self.decoder
 

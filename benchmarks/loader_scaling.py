@@ -47,9 +47,9 @@ class ReleasedTimer:
     """Times the GIL-releasing calls of the decode path while active."""
 
     TARGETS = (
-        ("pycls_fast.datasets.index", "read_file"),
-        ("pycls_fast.datasets.decode", "decode_jpeg_rgbx"),
-        ("pycls_fast.datasets.decode", "_resize_aa_out"),
+        ("pycls_fast.datasets.formats.index", "read_file"),
+        ("pycls_fast.datasets.images.decode", "decode_jpeg_rgbx"),
+        ("pycls_fast.datasets.images.decode", "_resize_aa_out"),
     )
 
     def __init__(self):
@@ -81,7 +81,7 @@ class ReleasedTimer:
             finally:
                 self.seconds += time.perf_counter() - t0
 
-        import pycls_fast.datasets.decode as decode
+        import pycls_fast.datasets.images.decode as decode
 
         self._saved.append((decode.np, "copyto", np_copyto))
         decode.np.copyto = copyto
@@ -147,9 +147,9 @@ def gpu_demand() -> list[dict]:
 def main() -> None:
     args = _parser().parse_args()
     from pycls_fast.config import get_cfg
-    from pycls_fast.datasets import sharding
+    from pycls_fast.datasets.formats.synthetic import make_image_folder
     from pycls_fast.datasets.loader import construct_train_loader
-    from pycls_fast.datasets.synthetic import make_image_folder
+    from pycls_fast.datasets.modes import sharding
 
     per_class = 256
     classes = -(-args.images // per_class)

@@ -17,9 +17,9 @@ import time
 
 import torch
 
+from pycls_fast.components.optimizer import param_groups
 from pycls_fast.config import load_cfg
-from pycls_fast.core.cli import run
-from pycls_fast.core.optimizer import param_groups
+from pycls_fast.launch.cli import run
 from pycls_fast.models import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

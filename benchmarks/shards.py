@@ -39,9 +39,9 @@ def _parser():
 
 def prepare(root: str, images: int, shard_mb: float) -> tuple[str, str]:
     """(folder root, shards root) with `images` train images, made once."""
-    from pycls_fast.datasets.index import load_index
-    from pycls_fast.datasets.pack import pack_split
-    from pycls_fast.datasets.synthetic import make_image_folder
+    from pycls_fast.datasets.formats.index import load_index
+    from pycls_fast.datasets.formats.pack import pack_split
+    from pycls_fast.datasets.formats.synthetic import make_image_folder
 
     per_class = 256
     classes = -(-images // per_class)

@@ -698,8 +698,8 @@ _key("DATA_LOADER.MAX_BAD_FRAC", 0.01, ge=0, lt=1)
 _key("DATA_LOADER.PREFETCH", 4, gt=0)
 
 # pycls_fast: log decoding throughput, task time and queue occupancy every this many
-# seconds ('threads' mode: logger pycls_fast.datasets.threaded; 'spdl' mode: logger
-# spdl.pipeline; 0 turns it off)
+# seconds ('threads' mode: logger pycls_fast.datasets.modes.threaded; 'spdl' mode:
+# logger spdl.pipeline; 0 turns it off)
 _key("DATA_LOADER.STATS_PERIOD", 0.0, ge=0)
 
 
@@ -1396,7 +1396,7 @@ def _check_distill(cfg: CfgNode) -> None:
 def check_launch(cfg: CfgNode) -> None:
     """Refuses, with a ConfigError naming the key, a config whose launch keys ask for
     what pycls_fast does not implement, or a job that cannot be laid out on nodes;
-    the tools call it (also via core/launch.py) before any work starts."""
+    the tools call it (also via launch/processes.py) before any work starts."""
     _refuse(cfg, at_launch=True)
     per_node = cfg.MAX_GPUS_PER_NODE
     if (

@@ -1,8 +1,8 @@
 """Every error type of pycls_fast, each with the exit status a tool ends with.
 
 A leaf module: it imports nothing of the package, so every layer can raise these
-errors, and the command line (core/cli.py) and spawned ranks (core/launch.py) map an
-exception to its exit status in one place, `exit_code`.
+errors, and the command line (launch/cli.py) and spawned ranks
+(launch/processes.py) map an exception to its exit status in one place, `exit_code`.
 
     0   success
     1   a runtime failure (PyclsFastError, or any other exception)

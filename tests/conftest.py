@@ -17,7 +17,7 @@ if not GPU_TESTS:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from pycls_fast.datasets.digits import build_digits_folder  # noqa: E402
+from pycls_fast.datasets.formats.digits import build_digits_folder  # noqa: E402
 
 
 def pytest_addoption(parser):

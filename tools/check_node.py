@@ -22,14 +22,15 @@ import time
 import torch
 import torch.distributed as dist
 
+from pycls_fast.components.precision import apply_backend_flags
 from pycls_fast.config import load_cfg, with_overrides
-from pycls_fast.core import distributed, timing
-from pycls_fast.core.cli import run
-from pycls_fast.core.device_info import cuda_unusable_reason, describe_device
-from pycls_fast.core.launch import launch
-from pycls_fast.core.precision import apply_backend_flags
-from pycls_fast.core.trainer import build_components, seed_everything, train_step
+from pycls_fast.engine import timing
+from pycls_fast.engine.trainer import build_components, seed_everything, train_step
 from pycls_fast.errors import UserError
+from pycls_fast.launch.cli import run
+from pycls_fast.launch.processes import launch
+from pycls_fast.runtime import distributed
+from pycls_fast.runtime.device_info import cuda_unusable_reason, describe_device
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from time_net import loader_throughput  # noqa: E402 - a sibling tool

@@ -14,9 +14,9 @@ world size).
 import argparse
 import os
 
-from pycls_fast.core.checkpoint import sharded
-from pycls_fast.core.cli import run
+from pycls_fast.checkpoint import sharded
 from pycls_fast.errors import UserError
+from pycls_fast.launch.cli import run
 
 
 def main():

@@ -16,9 +16,9 @@ import os
 
 import torch
 
-from pycls_fast.core.checkpoint.files import save_atomically
-from pycls_fast.core.cli import cfg_from_args, config_parser, run
+from pycls_fast.checkpoint.files import save_atomically
 from pycls_fast.errors import UserError
+from pycls_fast.launch.cli import cfg_from_args, config_parser, run
 from pycls_fast.models import build_model
 from pycls_fast.models.timm_compat import from_timm, to_timm
 

@@ -10,7 +10,7 @@ import argparse
 import os
 
 from pycls_fast.config_doc import render
-from pycls_fast.core.cli import run
+from pycls_fast.launch.cli import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "CONFIG.md")

@@ -16,7 +16,7 @@ import os
 import torch
 
 from pycls_fast.config import load_cfg
-from pycls_fast.core.cli import config_parser, require_config, run, run_config_file
+from pycls_fast.launch.cli import config_parser, require_config, run, run_config_file
 from pycls_fast.models import build_model, complexity
 
 

@@ -12,11 +12,11 @@ needs its fsspec package (s3fs for s3://).
 
 import argparse
 
-from pycls_fast.core.cli import run
-from pycls_fast.datasets.index import load_index
-from pycls_fast.datasets.pack import pack_split
-from pycls_fast.datasets.progress import progress_printer
+from pycls_fast.datasets.formats.index import load_index
+from pycls_fast.datasets.formats.pack import pack_split
+from pycls_fast.datasets.formats.progress import progress_printer
 from pycls_fast.errors import UserError
+from pycls_fast.launch.cli import run
 
 
 def main():

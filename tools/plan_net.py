@@ -5,7 +5,7 @@ Prints, for the (pipeline x data x tensor)-parallel layouts of that many GPUs, w
 DDP or FSDP over the data-parallel ranks and with or without activation
 checkpointing, the predicted memory per rank (parameters, gradients, optimizer
 state, master weights, EMA, gathered weights, activations) and step speed of
-training the config, and the fastest layout that fits (pycls_fast/core/planner.py;
+training the config, and the fastest layout that fits (pycls_fast/parallel/planner.py;
 PARALLEL.AUTO makes train_net use it). TRAIN.BATCH_SIZE is the global batch, as in
 training. --all lists every candidate.
 """
@@ -14,9 +14,9 @@ import argparse
 import os
 
 from pycls_fast.config import load_cfg
-from pycls_fast.core.cli import run
-from pycls_fast.core.planner import format_plan, plan
 from pycls_fast.errors import UserError
+from pycls_fast.launch.cli import run
+from pycls_fast.parallel.planner import format_plan, plan
 
 
 def main():

@@ -12,8 +12,8 @@ current folder). A dotted vertical line marks where a run resumed.
 import argparse
 import os
 
-from pycls_fast.core.cli import run
-from pycls_fast.core.plots import plot_runs, read_run
+from pycls_fast.launch.cli import run
+from pycls_fast.observe.plots import plot_runs, read_run
 
 
 def main():

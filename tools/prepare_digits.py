@@ -3,8 +3,8 @@
 
 import argparse
 
-from pycls_fast.core.cli import run
-from pycls_fast.datasets.digits import build_digits_folder
+from pycls_fast.datasets.formats.digits import build_digits_folder
+from pycls_fast.launch.cli import run
 
 
 def main():

@@ -13,11 +13,11 @@ or object stores, pack the result into shards next: tools/pack_dataset.py.
 import argparse
 import os
 
-from pycls_fast.core.cli import run
-from pycls_fast.datasets import prepare
-from pycls_fast.datasets.index import load_index
-from pycls_fast.datasets.progress import progress_printer
+from pycls_fast.datasets.formats import prepare
+from pycls_fast.datasets.formats.index import load_index
+from pycls_fast.datasets.formats.progress import progress_printer
 from pycls_fast.errors import UserError
+from pycls_fast.launch.cli import run
 
 
 def main():

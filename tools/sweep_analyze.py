@@ -7,7 +7,7 @@ sortable table of the runs."""
 
 import argparse
 
-from pycls_fast.core.cli import run
+from pycls_fast.launch.cli import run
 from pycls_fast.sweep.config import load_sweep_cfg
 from pycls_fast.sweep.report import analyze_sweep
 

@@ -7,7 +7,7 @@ and json_stats into ROOT_DIR/NAME/sweep.json, and prints each run's status."""
 import argparse
 import os
 
-from pycls_fast.core.cli import run
+from pycls_fast.launch.cli import run
 from pycls_fast.sweep.collect import SWEEP_FILE, collect_sweep
 from pycls_fast.sweep.config import load_sweep_cfg, sweep_dir
 

@@ -13,8 +13,8 @@ import argparse
 import os
 import sys
 
-from pycls_fast.core.cli import run
 from pycls_fast.errors import PyclsFastError
+from pycls_fast.launch.cli import run
 from pycls_fast.sweep.config import load_sweep_cfg
 from pycls_fast.sweep.launcher import Job, LocalBackend, job_overrides, launch_sweep
 from pycls_fast.sweep.setup import load_forks

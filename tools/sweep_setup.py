@@ -8,7 +8,7 @@ ROOT_DIR/NAME/cfgs.json (docs/SWEEPS.md)."""
 import argparse
 import os
 
-from pycls_fast.core.cli import run
+from pycls_fast.launch.cli import run
 from pycls_fast.sweep.config import load_sweep_cfg, sweep_dir
 from pycls_fast.sweep.setup import FORKS_FILE, setup_sweep
 

@@ -12,11 +12,11 @@ TEST.REAL_LABELS evaluate at several resolutions, on more test sets (ImageNet-V2
 with ImageNet-ReaL labels in one run, and print a table."""
 
 from pycls_fast.config import check_launch, with_overrides
-from pycls_fast.core.cli import cfg_from_args, config_parser, run
-from pycls_fast.core.evaluation import evaluate_model, format_table
-from pycls_fast.core.submit import submit_or_launch
-from pycls_fast.core.trainer import test_model
 from pycls_fast.datasets.loader import check_data
+from pycls_fast.engine.evaluation import evaluate_model, format_table
+from pycls_fast.engine.trainer import test_model
+from pycls_fast.launch.cli import cfg_from_args, config_parser, run
+from pycls_fast.launch.submit import submit_or_launch
 
 
 def main():

@@ -39,20 +39,21 @@ import time
 
 import torch
 
+from pycls_fast.components.precision import apply_backend_flags, describe_precision
 from pycls_fast.config import with_overrides
-from pycls_fast.core import distributed, timing
-from pycls_fast.core.cli import cfg_from_args, config_parser, run
-from pycls_fast.core.launch import launch
-from pycls_fast.core.parallel import state_bytes
-from pycls_fast.core.precision import apply_backend_flags, describe_precision
-from pycls_fast.core.trainer import (
+from pycls_fast.datasets.loader import check_data, construct_train_loader
+from pycls_fast.engine import timing
+from pycls_fast.engine.trainer import (
     build_components,
     seed_everything,
     train_step,
 )
-from pycls_fast.datasets.loader import check_data, construct_train_loader
 from pycls_fast.errors import UserError
+from pycls_fast.launch.cli import cfg_from_args, config_parser, run
+from pycls_fast.launch.processes import launch
 from pycls_fast.models import complexity
+from pycls_fast.parallel.data_parallel import state_bytes
+from pycls_fast.runtime import distributed
 
 # Shares of --seconds: the train step, evaluation, the loader (the matmul peak and
 # the model build take the rest).
@@ -71,7 +72,7 @@ def loader_throughput(cfg, batches, budget_s=None):
         progress(f"loader: up to {batches} batches on {cfg.DATA.PATH}")
         loader = construct_train_loader(cfg)
         return timing.time_loader(loader, batches, budget_s=budget_s), cfg.DATA.PATH
-    from pycls_fast.datasets.synthetic import make_image_folder
+    from pycls_fast.datasets.formats.synthetic import make_image_folder
 
     # Every rank reads its shard of the folder: enough for all of them.
     images = cfg.TRAIN.BATCH_SIZE * (batches + 2)

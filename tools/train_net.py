@@ -10,11 +10,11 @@ import logging
 import os
 
 from pycls_fast.config import check_launch
-from pycls_fast.core.cli import cfg_from_args, config_parser, run
-from pycls_fast.core.submit import submit_or_launch
-from pycls_fast.core.trainer import train_model
 from pycls_fast.datasets.loader import check_data
+from pycls_fast.engine.trainer import train_model
 from pycls_fast.errors import Stopped
+from pycls_fast.launch.cli import cfg_from_args, config_parser, run
+from pycls_fast.launch.submit import submit_or_launch
 
 
 def train(cfg):

@@ -2,7 +2,7 @@
 
 A loader yields `(images, labels)` for this process's rank: images uint8 (B, 3, H, W)
 (channels-last in memory), labels int64 (B,). Normalization, PCA lighting, mixup /
-cutmix and label smoothing run on the device: pycls_fast/datasets/device.py.
+cutmix and label smoothing run on the device: datasets/to_device/transform.py.
 
     loader = construct_train_loader(cfg)
     for epoch in range(start, cfg.OPTIM.MAX_EPOCH):
@@ -11,8 +11,8 @@ cutmix and label smoothing run on the device: pycls_fast/datasets/device.py.
             ...
         stats = loader.stats()          # data_wait_frac, img_per_s, bad_images, ...
 
-DATA.FORMAT 'folder' reads `<split>/<class>/<image>` files (datasets/index.py),
-'shards' tar shards (datasets/shards.py); both feed the same decoder and engines.
+DATA.FORMAT 'folder' reads `<split>/<class>/<image>` files (formats/index.py),
+'shards' tar shards (formats/shards.py); both feed the same decoder and engines.
 
 `loader.with_plan(batches, mode)` is the same loader on a fixed list of batches (every
 epoch) in another DATA_LOADER.MODE: benchmarks and tests compare modes with it.
@@ -26,14 +26,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pycls_fast.datasets import sharding
-from pycls_fast.datasets.batch import ImageDecoder
-from pycls_fast.datasets.index import check_split, load_index
-from pycls_fast.datasets.processes import iterate_processes
-from pycls_fast.datasets.shards import check_shard_split, load_shard_index
-from pycls_fast.datasets.spdl_pipeline import iterate_spdl
-from pycls_fast.datasets.threaded import iterate_threaded
-from pycls_fast.datasets.transforms import build_transform
+from pycls_fast.datasets.formats.index import check_split, load_index
+from pycls_fast.datasets.formats.shards import check_shard_split, load_shard_index
+from pycls_fast.datasets.images.transforms import build_transform
+from pycls_fast.datasets.modes import sharding
+from pycls_fast.datasets.modes.batch import ImageDecoder
+from pycls_fast.datasets.modes.processes import iterate_processes
+from pycls_fast.datasets.modes.spdl_pipeline import iterate_spdl
+from pycls_fast.datasets.modes.threaded import iterate_threaded
 from pycls_fast.errors import BadImagesError, ConfigError, UserError
 from pycls_fast.storage import is_remote
 

@@ -11,6 +11,6 @@ their stats, analyze the population. docs/SWEEPS.md describes the flow.
     collect.py      gather every run into sweep.json
     analysis.py     the figures; report.py: the analysis page
 
-A layer above core.launch: it imports config, models (complexity), core.logging and
-core.plots, never core.cli or the tools.
+The top layer: it imports config, models (complexity), observe.logging and
+observe.plots, runtime.run_lock, never launch or the tools.
 """

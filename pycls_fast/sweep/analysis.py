@@ -16,7 +16,7 @@ from typing import Any
 
 from matplotlib.ticker import MaxNLocator
 
-from pycls_fast.core.plots import epoch_number
+from pycls_fast.observe.plots import epoch_number
 
 
 def error(run: Mapping[str, Any]) -> float | None:

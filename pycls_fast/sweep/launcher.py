@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pycls_fast.core.logging import format_eta
+from pycls_fast.observe.logging import format_eta
 from pycls_fast.sweep.runs import (
     EXIT_FILE,
     LAUNCH_LOG,

@@ -16,8 +16,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pycls_fast.core.logging import LOG_FILE, load_json_stats
-from pycls_fast.core.run_lock import LOCK_FILE
+from pycls_fast.observe.logging import LOG_FILE, load_json_stats
+from pycls_fast.runtime.run_lock import LOCK_FILE
 
 EXIT_FILE = "exit_status.json"  # {"exit_code", "seconds"}: written when a run ends
 LAUNCH_LOG = "launch.log"  # the run's process output (errors before logging starts)
@@ -62,7 +62,7 @@ def exit_status(run: Mapping[str, Any]) -> dict | None:
 
 
 def is_running(out_dir: str) -> bool:
-    """Whether a training holds OUT_DIR's lock now (core/run_lock.py's flock, which
+    """Whether a training holds OUT_DIR's lock now (runtime/run_lock.py's flock, which
     the kernel drops when the training ends, however it ends)."""
     try:
         fd = os.open(os.path.join(out_dir, LOCK_FILE), os.O_RDONLY)

@@ -10,9 +10,11 @@ import os
 import torch
 
 from pycls_fast.config import load_cfg
-from pycls_fast.core import distributed, launch, timing
-from pycls_fast.core.tensor_parallel import canonical_state_dict, tp_size
-from pycls_fast.core.trainer import build_components, seed_everything, train_step
+from pycls_fast.engine import timing
+from pycls_fast.engine.trainer import build_components, seed_everything, train_step
+from pycls_fast.launch import processes as launch
+from pycls_fast.parallel.tensor_parallel import canonical_state_dict, tp_size
+from pycls_fast.runtime import distributed
 
 STEPS = 10
 

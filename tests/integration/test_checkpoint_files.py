@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from pycls_fast.checkpoint import files, sharded
 from pycls_fast.config import load_cfg
-from pycls_fast.core import trainer
-from pycls_fast.core.checkpoint import files, sharded
+from pycls_fast.engine import trainer
 from pycls_fast.errors import CheckpointError
 from tests.helpers import DIGITS_CFG, ROOT
 

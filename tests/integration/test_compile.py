@@ -4,9 +4,10 @@ tiny ViT, per block and whole, with FSDP2 and activation checkpointing)."""
 import pytest
 import torch
 
-from pycls_fast.core import launch, timing
-from pycls_fast.core.parallel import encoder_blocks
-from pycls_fast.core.trainer import build_components, seed_everything, train_step
+from pycls_fast.engine import timing
+from pycls_fast.engine.trainer import build_components, seed_everything, train_step
+from pycls_fast.launch import processes as launch
+from pycls_fast.parallel.data_parallel import encoder_blocks
 from tests.helpers import tiny_cfg
 
 

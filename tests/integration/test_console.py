@@ -10,7 +10,7 @@ import sys
 import termios
 import threading
 
-from pycls_fast.core.logging import load_json_stats
+from pycls_fast.observe.logging import load_json_stats
 from tests.helpers import DIGITS_CFG, ROOT, run_tool
 
 ARGS = [

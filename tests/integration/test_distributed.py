@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from pycls_fast.config import load_cfg, with_overrides
-from pycls_fast.core import distributed, launch
-from pycls_fast.core.logging import load_json_stats
 from pycls_fast.errors import ConfigError, RankFailedError
+from pycls_fast.launch import processes as launch
+from pycls_fast.observe.logging import load_json_stats
+from pycls_fast.runtime import distributed
 from tests.helpers import DIGITS_CFG, ROOT, TINY
 
 pytestmark = pytest.mark.slow
@@ -210,9 +211,9 @@ def test_sharded_checkpoints_resume_at_any_world_size(digits, tmp_path):
 
 def _state_bytes(cfg):
     """One training step; this rank's parameter, gradient and optimizer bytes."""
-    from pycls_fast.core import timing
-    from pycls_fast.core.parallel import state_bytes
-    from pycls_fast.core.trainer import build_components, train_step
+    from pycls_fast.engine import timing
+    from pycls_fast.engine.trainer import build_components, train_step
+    from pycls_fast.parallel.data_parallel import state_bytes
 
     parts = build_components(cfg, loaders=False)
     inputs, targets = timing.synthetic_batch(parts, 8, cfg.TRAIN.IM_SIZE)
@@ -244,7 +245,7 @@ def test_fsdp_shards_parameters_gradients_and_optimizer_state():
 
 def _overflow_on_rank_1(cfg):
     """fp16 O2 under FSDP: an inf in rank 1's gradient shard only."""
-    from pycls_fast.core.trainer import build_components
+    from pycls_fast.engine.trainer import build_components
 
     parts = build_components(cfg, loaders=False)
     params = [p for p in parts.trained.parameters()]

@@ -8,8 +8,8 @@ import shutil
 import torch
 
 from pycls_fast.config import load_cfg
-from pycls_fast.core.logging import load_json_stats
 from pycls_fast.models import build_model
+from pycls_fast.observe.logging import load_json_stats
 from tests.helpers import DIGITS_CFG, run_tool
 
 SMALL = ["VIT.NUM_LAYERS", "1", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",

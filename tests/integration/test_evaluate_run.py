@@ -4,7 +4,7 @@ naming a folder, the epoch of the weights, and the eval log beside the run's."""
 import json
 import os
 
-from pycls_fast.core.logging import load_json_stats
+from pycls_fast.observe.logging import load_json_stats
 from tests.helpers import DIGITS_CFG, run_tool
 
 SMALL = [

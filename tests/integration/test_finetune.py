@@ -58,7 +58,7 @@ def test_weights_of_another_resolution_are_interpolated(digits, tmp_path):
         assert result.returncode == 0, result.stderr
         assert "position embedding resampled 4x4 -> 6x6 (bicubic)" in result.stdout
         # The resampled tensor is timm's, and the rest is loaded as it was.
-        from pycls_fast.core.checkpoint.weights import load_model_weights
+        from pycls_fast.checkpoint.weights import load_model_weights
 
         model = build_model(load_cfg(DIGITS_CFG, high))
         loaded = load_model_weights(model, weights)

@@ -4,8 +4,8 @@ PYCLS_FAST_TEST_GPU=1) on a GPU node (see conftest.py)."""
 import pytest
 import torch
 
-from pycls_fast.datasets.device import DeviceBatchTransform, to_device
-from tests.unit.test_datasets_device import _cfg, _images
+from pycls_fast.datasets.to_device.transform import DeviceBatchTransform, to_device
+from tests.unit.datasets.to_device.test_transform import _cfg, _images
 
 pytestmark = pytest.mark.gpu
 
@@ -25,8 +25,8 @@ def test_lighting_is_drawn_on_the_cuda_device():
 
 
 def test_prefetcher_on_a_side_stream_matches_the_plain_transform():
-    from pycls_fast.datasets.prefetch import DevicePrefetcher
-    from tests.unit.test_datasets_prefetch import _Loader
+    from pycls_fast.datasets.to_device.prefetch import DevicePrefetcher
+    from tests.unit.datasets.to_device.test_prefetch import _Loader
 
     cfg = _cfg()
     cfg.TRAIN.PCA_STD = 0.0  # no random draws: both paths give the same values

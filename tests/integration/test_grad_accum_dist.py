@@ -8,8 +8,10 @@ import torch
 import torch.distributed as dist
 
 from pycls_fast.config import load_cfg
-from pycls_fast.core import distributed, launch, timing
-from pycls_fast.core.trainer import build_components, seed_everything, train_step
+from pycls_fast.engine import timing
+from pycls_fast.engine.trainer import build_components, seed_everything, train_step
+from pycls_fast.launch import processes as launch
+from pycls_fast.runtime import distributed
 from tests.helpers import TINY
 
 

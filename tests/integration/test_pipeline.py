@@ -1,4 +1,4 @@
-"""core/pipeline.py on its own, without the trainer: split_model, stage_union and
+"""parallel/pipeline.py on its own, without the trainer: split_model, stage_union and
 PipelineRunner with a plain torch optimizer on 2 gloo processes train (10 steps on a
 fixed batch) and then evaluate (a partial batch, padded) as the whole model does in
 one process, under each schedule, both token layouts and bf16 autocast.
@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pycls_fast.config import load_cfg, with_overrides
-from pycls_fast.core import launch
-from pycls_fast.core.pipeline import PipelineRunner, split_model, stage_union
+from pycls_fast.launch import processes as launch
 from pycls_fast.models import build_model
+from pycls_fast.parallel.pipeline import PipelineRunner, split_model, stage_union
 from tests.helpers import TINY
 
 STEPS = 10

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from pycls_fast.config import load_cfg
-from pycls_fast.core import launch, timing
-from pycls_fast.core.trainer import build_components, seed_everything, train_step
+from pycls_fast.engine import timing
+from pycls_fast.engine.trainer import build_components, seed_everything, train_step
+from pycls_fast.launch import processes as launch
 from tests.helpers import TINY
 from tests.integration.parallel_parity import EXACT, run_layout
 

@@ -7,14 +7,16 @@ import pytest
 import torch
 
 from pycls_fast.config import load_cfg
-from pycls_fast.core import distributed, launch, timing
-from pycls_fast.core.planner import Candidate, per_rank_memory
-from pycls_fast.core.trainer import (
+from pycls_fast.engine import timing
+from pycls_fast.engine.trainer import (
     build_components,
     forward_backward,
     seed_everything,
     train_step,
 )
+from pycls_fast.launch import processes as launch
+from pycls_fast.parallel.planner import Candidate, per_rank_memory
+from pycls_fast.runtime import distributed
 from tests.helpers import TINY
 
 

@@ -1,4 +1,4 @@
-"""tools/plot_log.py and core/plots.py: which curves, resume marks, run or log path."""
+"""tools/plot_log.py and observe/plots.py: curves, resume marks, run or log path."""
 
 import os
 import subprocess
@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from pycls_fast.core.logging import dump_json_stats
-from pycls_fast.core.plots import curves, read_run, resume_points
 from pycls_fast.errors import UserError
+from pycls_fast.observe.logging import dump_json_stats
+from pycls_fast.observe.plots import curves, read_run, resume_points
 from tests.helpers import ROOT  # noqa: E402
 
 

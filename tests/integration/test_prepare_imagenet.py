@@ -11,8 +11,8 @@ import pytest
 import scipy.io
 from PIL import Image
 
-from pycls_fast.datasets import prepare
-from pycls_fast.datasets.index import load_index
+from pycls_fast.datasets.formats import prepare
+from pycls_fast.datasets.formats.index import load_index
 from tests.helpers import run_tool
 
 WNIDS = ["n01440764", "n01443537", "n01484850"]  # ILSVRC2012_ID 1, 2, 3

@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
+from pycls_fast import checkpoint as ckpt
 from pycls_fast.config import load_cfg
-from pycls_fast.core import checkpoint as ckpt
-from pycls_fast.core.logging import load_json_stats
-from pycls_fast.core.run_lock import OutDirInUseError, RunLock
-from pycls_fast.core.trainer import train_model
+from pycls_fast.engine.trainer import train_model
 from pycls_fast.errors import UserError
+from pycls_fast.observe.logging import load_json_stats
+from pycls_fast.runtime.run_lock import OutDirInUseError, RunLock
 from tests.helpers import DIGITS_CFG, ROOT
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]

@@ -18,12 +18,12 @@ import pytest
 from PIL import Image
 
 from pycls_fast.config import get_cfg
+from pycls_fast.datasets.formats.synthetic import make_image_folder
 from pycls_fast.datasets.loader import (
     BadImagesError,
     construct_test_loader,
     construct_train_loader,
 )
-from pycls_fast.datasets.synthetic import make_image_folder
 from pycls_fast.errors import UserError
 
 COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]

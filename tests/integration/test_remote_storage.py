@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from pycls_fast.datasets.synthetic import make_image_folder
+from pycls_fast.datasets.formats.synthetic import make_image_folder
 from tests.helpers import ROOT, TINY
 
 pytest.importorskip("moto.server", reason="moto[server] is a test dependency")

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from pycls_fast.core.checkpoint import files
+from pycls_fast.checkpoint import files
 from tests.helpers import DIGITS_CFG, ROOT
 
 CLUSTER = os.path.join(ROOT, "tests", "slurm", "cluster.sh")

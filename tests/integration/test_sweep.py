@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from pycls_fast.config import load_cfg
-from pycls_fast.core.logging import load_json_stats
 from pycls_fast.errors import ConfigError, UserError
 from pycls_fast.models import complexity
+from pycls_fast.observe.logging import load_json_stats
 from pycls_fast.sweep import constraints, rand, samplers
 from pycls_fast.sweep.collect import collect_sweep
 from pycls_fast.sweep.config import load_sweep_cfg, sweep_dir
@@ -215,7 +215,7 @@ def test_grid_and_random_samplers_mix(tmp_path):
 
 
 def test_run_status_from_files(tmp_path):
-    from pycls_fast.core.run_lock import RunLock
+    from pycls_fast.runtime.run_lock import RunLock
     from pycls_fast.sweep.runs import run_status, write_json
 
     run = {"out_dir": str(tmp_path / "run")}

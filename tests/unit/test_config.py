@@ -426,7 +426,7 @@ def test_ignored_key_set_warns_once_naming_it(caplog, monkeypatch):
 def test_pycls_launch_keys_load_and_are_checked():
     cfg = load_cfg(PYCLS_VIT)
     assert (cfg.LAUNCH.MODE, cfg.MAX_GPUS_PER_NODE) == ("slurm", 8)
-    check_launch(cfg)  # slurm is implemented (core/submit.py)
+    check_launch(cfg)  # slurm is implemented (launch/submit.py)
     with pytest.raises(ConfigError, match="LAUNCH.TIME_LIMIT"):
         load_cfg(PYCLS_VIT, ["LAUNCH.TIME_LIMIT", "0"])
 

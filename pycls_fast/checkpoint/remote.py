@@ -1,0 +1,182 @@
+"""A remote OUT_DIR (an fsspec URL such as `s3://bucket/runs/vit`), worked on through a
+local mirror folder.
+
+Training writes logs, stats and checkpoints to the mirror as to any OUT_DIR; this
+module brings them to the remote store and back:
+- `pull()` before the run: every file but the checkpoints, then the newest complete
+  checkpoint (and the best one that `best.json` names), so that the run resumes and
+  its logs continue;
+- `push_checkpoint(path)` after each save: the logs go up first, so that a checkpoint
+  on the store always has the logs up to it; a single-file checkpoint is one upload (an
+  object store makes it visible whole or not at all); a sharded (DCP) directory is
+  uploaded file by file with `.metadata` last, by which readers know it complete.
+  Then the retention rule (TRAIN.CHECKPOINT_KEEP, the best kept) is applied to the
+  remote listing;
+- `push()` at each epoch's end and when the run ends: the other files that changed.
+An object store has no atomic rename, so these guarantees replace it: a checkpoint is
+never seen half-written; logs on the store lag the mirror by at most an epoch.
+"""
+
+import hashlib
+import logging
+import os
+import posixpath
+import tempfile
+
+from pycls_fast import storage
+from pycls_fast.checkpoint.files import SHARDED_SUFFIX, SUFFIX, position
+from pycls_fast.checkpoint.retention import BEST_FILE, read_best, to_delete
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+# What stays in the mirror: the lock, write probes, the local index cache.
+_LOCAL_ONLY = (".lock", ".write_test", "data_index/")
+
+
+def mirror_dir(url: str, base: str = "") -> str:
+    """The local mirror folder of `url`: `base` (OUT_MIRROR) or a folder under the
+    system's temporary folder, named by the URL's hash."""
+    if base:
+        return base
+    key = hashlib.sha1(url.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "pycls_fast_out", key)
+
+
+class RemoteOut:
+    """The remote OUT_DIR `url` and its local mirror `local`."""
+
+    def __init__(self, url: str, local: str, keep_last: int = 0) -> None:
+        self.url = url.rstrip("/")
+        self.local = local
+        self.keep_last = keep_last
+        self.fs, self.root = storage.filesystem(self.url)
+        self._pushed = {}  # relative path -> (size, mtime_ns) last uploaded
+        self.fetched = []  # checkpoint names that pull() brought into the mirror
+
+    def _remote(self, rel):
+        return posixpath.join(self.root, rel)
+
+    def _rel(self, remote_path):
+        return posixpath.relpath(remote_path, self.root)
+
+    def _download(self, rel):
+        dest = os.path.join(self.local, rel)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        self.fs.get_file(self._remote(rel), dest)
+        st = os.stat(dest)
+        self._pushed[rel] = (st.st_size, st.st_mtime_ns)
+
+    def remote_checkpoints(self) -> list[str]:
+        """Names of the complete checkpoints on the store, oldest first."""
+        folder = self._remote(CHECKPOINTS)
+        if not self.fs.exists(folder):
+            return []
+        found = []
+        for entry in self.fs.ls(folder, detail=True):
+            name = posixpath.basename(entry["name"].rstrip("/"))
+            pos = position(name)
+            if pos is None:
+                continue
+            whole_file = name.endswith(SUFFIX) and entry["type"] == "file"
+            if whole_file or (
+                name.endswith(SHARDED_SUFFIX)
+                and self.fs.exists(posixpath.join(folder, name, ".metadata"))
+            ):
+                found.append((pos, name))
+        return [name for _, name in sorted(found)]
+
+    def pull(self) -> str | None:
+        """Fills the mirror from the store (before logging is set up: `fetched` says
+        what came); returns the newest complete checkpoint's name, or None."""
+        os.makedirs(self.local, exist_ok=True)
+        if not self.fs.exists(self.root):
+            return None
+        for path in self.fs.find(self.root):
+            rel = self._rel(path)
+            if not rel.startswith(CHECKPOINTS + "/") or rel.endswith(BEST_FILE):
+                self._download(rel)
+        names = self.remote_checkpoints()
+        best = read_best_name(os.path.join(self.local, CHECKPOINTS, BEST_FILE))
+        wanted = ([names[-1]] if names else []) + ([best] if best in names else [])
+        for name in dict.fromkeys(wanted):
+            rel = posixpath.join(CHECKPOINTS, name)
+            if name.endswith(SHARDED_SUFFIX):
+                for path in self.fs.find(self._remote(rel)):
+                    self._download(self._rel(path))
+            else:
+                self._download(rel)
+            self.fetched.append(name)
+        return names[-1] if names else None
+
+    def _changed(self):
+        for folder, _, names in os.walk(self.local):
+            for name in names:
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, self.local).replace(os.sep, "/")
+                if rel.startswith(CHECKPOINTS + "/") and position(rel.split("/")[1]):
+                    continue  # checkpoints go up through push_checkpoint
+                if any(rel.startswith(p) for p in _LOCAL_ONLY) or ".tmp" in name:
+                    continue
+                st = os.stat(path)
+                if self._pushed.get(rel) != (st.st_size, st.st_mtime_ns):
+                    yield rel, (st.st_size, st.st_mtime_ns)
+
+    def push(self) -> int:
+        """Uploads the files other than checkpoints that changed; returns how many."""
+        count = 0
+        for rel, stamp in list(self._changed()):
+            self.fs.put_file(os.path.join(self.local, rel), self._remote(rel))
+            self._pushed[rel] = stamp
+            count += 1
+        return count
+
+    def push_checkpoint(self, path: str, rank: int = 0, main: bool = True) -> None:
+        """Uploads the checkpoint at `path` (in the mirror). A sharded directory: each
+        rank uploads the `__<rank>_*` files it wrote, the main rank the rest but
+        `.metadata`; the caller then calls `finish_checkpoint` on the main rank after
+        a barrier. A file: the main rank uploads it (and finishes)."""
+        name = os.path.basename(path)
+        rel = posixpath.join(CHECKPOINTS, name)
+        if not name.endswith(SHARDED_SUFFIX):
+            if main:
+                self.push()  # the logs first: a visible checkpoint has its logs
+                self.fs.put_file(path, self._remote(rel))
+                self._after_upload(name)
+            return
+        for file in sorted(os.listdir(path)):
+            mine = file.startswith(f"__{rank}_")
+            other_rank = file.startswith("__") and not mine
+            if file == ".metadata" or other_rank or (not mine and not main):
+                continue
+            self.fs.put_file(os.path.join(path, file), self._remote(f"{rel}/{file}"))
+
+    def finish_checkpoint(self, path: str) -> None:
+        """The main rank, once every part of the sharded checkpoint `path` is up: the
+        logs and best.json, then its `.metadata` (which makes it complete), then
+        retention."""
+        name = os.path.basename(path)
+        self.push()  # the logs first: a complete checkpoint has its logs
+        meta = posixpath.join(CHECKPOINTS, name, ".metadata")
+        self.fs.put_file(os.path.join(path, ".metadata"), self._remote(meta))
+        self._after_upload(name)
+
+    def _after_upload(self, name):
+        logger.info("uploaded checkpoint %s to %s", name, self.url)
+        best = read_best(self.local)
+        protected = {best["checkpoint"]} if best else set()
+        remote = self.remote_checkpoints()
+        for old in to_delete(remote, self.keep_last, protected):
+            self.fs.rm(self._remote(posixpath.join(CHECKPOINTS, old)), recursive=True)
+            logger.info("deleted old checkpoint %s from %s", old, self.url)
+
+
+def read_best_name(path: str) -> str | None:
+    """The checkpoint name in a best.json file, or None."""
+    import json
+
+    try:
+        with open(path) as f:
+            return json.load(f)["checkpoint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

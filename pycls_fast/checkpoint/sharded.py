@@ -1,0 +1,204 @@
+"""Sharded checkpoints of FSDP runs, with torch.distributed.checkpoint (DCP).
+
+A sharded checkpoint is a directory, `OUT_DIR/checkpoints/model_epoch_0003.dcp/`:
+every rank writes its own shards of the model, EMA and optimizer state in parallel,
+plus its RNG states; `.metadata` says where each piece lives, so the checkpoint loads
+at any world size (DCP reshards on load). It is written to `<name>.tmp` and renamed
+by rank 0 once every rank has finished, so a crash mid-write never leaves a directory
+that looks complete.
+
+    save(path, model, optimizer, ema, meta, rank_state)   # every rank
+    meta, rank_state = load(path, model, optimizer, ema)  # every rank
+    read_model_state(path, key="model")                   # one process, no group
+    consolidate(path, out_file)                           # one single-file checkpoint
+"""
+
+import io
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from pycls_fast.checkpoint.files import SHARDED_SUFFIX as SUFFIX
+from pycls_fast.checkpoint.files import is_sharded, safe_load, save_atomically
+from pycls_fast.errors import CheckpointError
+from pycls_fast.parallel.tensor_parallel import to_checkpoint, tp_size
+from pycls_fast.runtime import distributed
+
+__all__ = ["SUFFIX", "is_sharded", "save", "load", "read_meta", "read_model_state"]
+
+
+def _blob(obj):
+    # One opaque value (DCP would flatten a dict into its leaves): a BytesIO holding
+    # the object, which DCP saves as it is and hands back on load.
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def _unblob(buf, path):
+    buf.seek(0)
+    return safe_load(buf, path)
+
+
+# The optimizer's state keyed by parameter name, its hyper-parameters too
+# ("param_groups.<name>.lr"): the same keys whatever the grouping, and tensor
+# parallelism splits groups by tensor kind (components/optimizer.py).
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _optim_options(saved):
+    """The options that read the optimizer state of a checkpoint: flattened, or
+    (checkpoints written before flattening) grouped as the optimizer was."""
+    grouped = any(k.startswith("optim.param_groups.0.") for k in saved)
+    return StateDictOptions() if grouped else _FLAT
+
+
+def _read_metadata(path):
+    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def save(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: nn.Module | None,
+    meta: dict[str, Any],
+    rank_state: Any,
+) -> None:
+    """Writes the sharded checkpoint `path` (a directory) from every rank.
+
+    `meta`: values common to all ranks (rank 0's copy is kept); `rank_state`: this
+    rank's own state (RNG states); both tensors and plain values only (they are
+    loaded with weights_only)."""
+    tmp = path + ".tmp"
+    if distributed.is_main() and os.path.exists(tmp):
+        shutil.rmtree(tmp)  # a leftover of a write that crashed
+    distributed.barrier()
+    tp = tp_size(model)
+    state = {
+        "model": to_checkpoint(get_model_state_dict(model), tp),
+        "optim": to_checkpoint(
+            get_optimizer_state_dict(model, optimizer, options=_FLAT), tp
+        ),
+        "extra": {
+            "meta": _blob({**meta, "world_size": distributed.world_size()}),
+            f"rank_{distributed.rank()}": _blob(rank_state),
+        },
+    }
+    if ema is not None:
+        state["ema"] = to_checkpoint(get_model_state_dict(ema), tp)
+    dcp.save(state, checkpoint_id=tmp)
+    distributed.barrier()  # every rank's shards and the metadata are on disk
+    if distributed.is_main():
+        if os.path.exists(path):
+            old = path + ".old"
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    distributed.barrier()
+
+
+def _check_fits(path, saved, prefix, state):
+    """Names the first tensor of `state` that the checkpoint lacks or shapes
+    differently (before DCP's own, less readable, error)."""
+    for key, value in state.items():
+        entry = saved.get(f"{prefix}.{key}")
+        if entry is None:
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model: it lacks {key}"
+            )
+        if hasattr(entry, "size") and tuple(entry.size) != tuple(value.shape):
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model: it has {key} of shape "
+                f"{tuple(entry.size)}, the model expects {tuple(value.shape)}"
+            )
+
+
+def load(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: nn.Module | None,
+) -> tuple[dict[str, Any], Any]:
+    """Loads a sharded checkpoint into the (sharded) model, optimizer and EMA of
+    every rank; returns (meta, rank_state), rank_state None when the checkpoint was
+    written at another world size (the RNG streams of the ranks then start afresh)."""
+    saved = _read_metadata(path)
+    tp = tp_size(model)
+    # `state` holds the tensors DCP loads into (q/k/v pieces of tensor-parallel
+    # parameters as views of their local tensors), `whole` the state dicts to set.
+    whole = {"model": get_model_state_dict(model)}
+    _check_fits(path, saved, "model", whole["model"])
+    options = _optim_options(saved)
+    whole["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
+    if ema is not None and any(k.startswith("ema.") for k in saved):
+        whole["ema"] = get_model_state_dict(ema)
+    state = {k: to_checkpoint(v, tp) for k, v in whole.items()}
+    meta = read_meta(path, no_dist=not dist.is_initialized())
+    rank_key = f"rank_{distributed.rank()}"
+    same_world = meta.get("world_size") == distributed.world_size()
+    if same_world and f"extra.{rank_key}" in saved:
+        state["extra"] = {rank_key: io.BytesIO()}
+    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, whole["model"])
+    set_optimizer_state_dict(model, optimizer, whole["optim"], options=options)
+    if "ema" in whole:
+        set_model_state_dict(ema, whole["ema"])
+    own = state.get("extra", {}).get(rank_key)
+    return meta, _unblob(own, path) if own is not None else None
+
+
+def read_meta(path: str, no_dist: bool = True) -> dict[str, Any]:
+    """The `meta` of a sharded checkpoint (by default read by this process alone,
+    with no process group needed)."""
+    state = {"extra": {"meta": io.BytesIO()}}
+    dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+    return _unblob(state["extra"]["meta"], path)
+
+
+def read_model_state(path: str, key: str = "model") -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict `key` ('model' or 'ema') of a sharded
+    checkpoint, as CPU tensors in their saved dtypes; {} when it has none. Runs in
+    one process with no process group (tools/test_net.py, consolidation)."""
+    saved = _read_metadata(path)
+    prefix = key + "."
+    state = {
+        name[len(prefix) :]: torch.empty(tuple(e.size), dtype=e.properties.dtype)
+        for name, e in saved.items()
+        if name.startswith(prefix) and hasattr(e, "size")
+    }
+    if state:
+        dcp.load({key: state}, checkpoint_id=path, no_dist=True)
+    return state
+
+
+def consolidate(path: str, out_file: str) -> dict[str, Any]:
+    """Writes the model (and EMA) weights of a sharded checkpoint to one file that
+    TEST.WEIGHTS, TRAIN.WEIGHTS and tools/convert_weights.py read; returns its meta."""
+    meta = read_meta(path)
+    out = {
+        "model_state": read_model_state(path, "model"),
+        "epoch": meta.get("epoch"),
+        "iter": meta.get("iter"),
+        "cfg": meta.get("cfg"),
+    }
+    ema = read_model_state(path, "ema")
+    if ema:
+        out["ema_state"] = ema
+    save_atomically(out, out_file)
+    return meta

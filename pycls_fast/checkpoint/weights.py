@@ -1,0 +1,209 @@
+"""Loading a checkpoint's weights into a model (TRAIN.WEIGHTS, TEST.WEIGHTS)."""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import yaml
+
+from pycls_fast.checkpoint.files import is_sharded, load_checkpoint
+from pycls_fast.checkpoint.sharded import read_meta, read_model_state
+from pycls_fast.errors import CheckpointError
+from pycls_fast.models.pycls_compat import is_pycls_main
+from pycls_fast.models.timm_compat import unwrap_state_dict
+
+HEAD = "head."
+RESET_HINT = "set TRAIN.RESET_HEAD True to re-initialise the classifier"
+
+
+@dataclass
+class LoadedWeights:
+    """What load_model_weights put into the model, for the log line."""
+
+    path: str
+    matched: int
+    total: int
+    ema: bool = False
+    # Tensors left as the model initialised them (a reset or absent head).
+    reinitialised: list[str] = field(default_factory=list)
+    # Training position of the checkpoint (completed epochs, iterations into the
+    # next one); None for weights that do not carry it (converted timm files).
+    epoch: int | None = None
+    iteration: int = 0
+    # Why these weights of the checkpoint were chosen, when a rule chose them.
+    why: str = ""
+    # What was adapted on the way in (a position embedding of another grid).
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """One line: file, which weights, tensors matched, what was re-initialised."""
+        which = "EMA weights" if self.ema else "model weights"
+        line = f"loaded {which} of {self.path}: {self.matched}/{self.total} tensors"
+        if self.why:
+            line += f" ({self.why})"
+        if self.reinitialised:
+            line += f"; re-initialised {', '.join(self.reinitialised)}"
+        for note in self.notes:
+            line += f"; {note}"
+        return line
+
+
+POS = "pos_embedding"
+
+
+def _grid(seq_len: int) -> tuple[int, int]:
+    """(grid side, prefix tokens) of a position embedding of `seq_len` tokens: a square
+    grid of patches after 0 (pooled classifier), 1 (class token) or 2 (and DeiT's
+    distillation token) prefix tokens."""
+    side = math.isqrt(seq_len)
+    return side, seq_len - side * side
+
+
+def resample_pos_embedding(state: dict, ours: dict) -> str | None:
+    """Interpolates state's position embedding (1, seq, hidden) to the model's grid
+    in place (bicubic, timm's `resample_abs_pos_embed`, as timm and DeiT fine-tune at a
+    new resolution); returns a note, or None when nothing was done."""
+    if POS not in state or POS not in ours:
+        return None
+    old, new = state[POS], ours[POS]
+    if old.shape == new.shape or old.dim() != 3 or old.shape[2] != new.shape[2]:
+        return None
+    (g_old, prefix_old), (g_new, prefix_new) = _grid(old.shape[1]), _grid(new.shape[1])
+    if prefix_old != prefix_new or prefix_old > 2:
+        return None  # another classifier type: _misfit names the shapes
+    from timm.layers import resample_abs_pos_embed
+
+    state[POS] = resample_abs_pos_embed(
+        old.float(), [g_new, g_new], num_prefix_tokens=prefix_new
+    ).to(old.dtype)
+    return f"position embedding resampled {g_old}x{g_old} -> {g_new}x{g_new} (bicubic)"
+
+
+def _misfit(state: dict, ours: dict, allow_missing_head: bool, reset_head: bool):
+    """What first keeps `state` from fitting a model of state dict `ours`, or None."""
+    missing = [k for k in ours if k not in state]
+    if allow_missing_head or reset_head:
+        missing = [k for k in missing if not k.startswith(HEAD)]
+    if missing:
+        return f"lacks {missing[0]}"
+    unexpected = [k for k in state if k not in ours]
+    if unexpected:
+        return f"has unknown tensor {unexpected[0]}"
+    wrong = [k for k in ours if k in state and state[k].shape != ours[k].shape]
+    if wrong:
+        text = (
+            f"has {wrong[0]} of shape {tuple(state[wrong[0]].shape)}, "
+            f"the model expects {tuple(ours[wrong[0]].shape)}"
+        )
+        if allow_missing_head and wrong[0].startswith(HEAD):
+            text += f" (another class count: {RESET_HINT})"
+        return text
+    return None
+
+
+def is_pycls_checkpoint(checkpoint) -> bool:
+    """Whether a loaded checkpoint file was written by pycls (its trainer's
+    {epoch, model_state, [ema_state], optimizer_state, test_err, ema_err, cfg}, or
+    pycls main's ViT names), not by pycls_fast (whose training checkpoints carry
+    scaler_state) or converted from timm."""
+    if not isinstance(checkpoint, dict) or "model_state" not in checkpoint:
+        return False
+    if "scaler_state" in checkpoint:
+        return False
+    pycls_keys = "test_err" in checkpoint or "ema_err" in checkpoint
+    return pycls_keys or is_pycls_main(checkpoint["model_state"])
+
+
+def _pycls_choice(checkpoint: dict) -> tuple[str, str]:
+    """pycls's test_model rule (pycls/core/checkpoint.py load_checkpoint without an
+    EMA model): the model weights unless the EMA's test error was lower."""
+    test_err = checkpoint.get("test_err", 100)
+    ema_err = checkpoint.get("ema_err", 100)
+    if "ema_state" in checkpoint and ema_err < test_err:
+        return "ema_state", f"pycls's rule: EMA top-1 err {ema_err} < {test_err}"
+    if "ema_state" in checkpoint:
+        return "model_state", f"pycls's rule: top-1 err {test_err} <= EMA {ema_err}"
+    return "model_state", ""
+
+
+def _read(path: str, use_ema: bool):
+    """(state dict, whether it is the EMA's, meta dict, why) of a checkpoint."""
+    if is_sharded(path):
+        ema = read_model_state(path, "ema") if use_ema else {}
+        state = ema or read_model_state(path)
+        return state, bool(ema), read_meta(path), ""
+    checkpoint = load_checkpoint(path)
+    meta = checkpoint if isinstance(checkpoint, dict) else {}
+    if use_ema and "ema_state" in checkpoint:
+        return checkpoint["ema_state"], True, meta, ""
+    if is_pycls_checkpoint(checkpoint):
+        key, why = _pycls_choice(checkpoint)
+        chosen = {"model_state": checkpoint[key]}
+        return unwrap_state_dict(chosen), key == "ema_state", meta, why
+    return unwrap_state_dict(checkpoint), False, meta, ""
+
+
+def checkpoint_channel_order(path: str) -> tuple[str, str] | None:
+    """The channel order the weights of a checkpoint expect, with the reason: 'bgr'
+    for pycls's checkpoints (pycls's loader feeds BGR), the saved config's
+    DATA.CHANNEL_ORDER for pycls_fast's; None when the checkpoint does not say."""
+    if is_sharded(path):
+        cfg_text = read_meta(path).get("cfg")
+    else:
+        checkpoint = load_checkpoint(path)
+        if is_pycls_checkpoint(checkpoint):
+            return "bgr", "a pycls checkpoint: pycls's ImageNet loader feeds BGR"
+        cfg_text = checkpoint.get("cfg") if isinstance(checkpoint, dict) else None
+    try:
+        saved = yaml.safe_load(cfg_text) if isinstance(cfg_text, str) else None
+        order = saved["DATA"]["CHANNEL_ORDER"]
+    except (yaml.YAMLError, KeyError, TypeError):
+        return None
+    if order in ("rgb", "bgr"):
+        return order, "the order its training used"
+    return None
+
+
+def load_model_weights(
+    model: torch.nn.Module,
+    path: str,
+    *,
+    allow_missing_head=False,
+    use_ema=False,
+    reset_head=False,
+) -> LoadedWeights:
+    """Loads model weights (the EMA weights with `use_ema`, when the checkpoint has
+    them) from a checkpoint file or sharded checkpoint directory into `model` (not
+    yet sharded); names the file on mismatch. A position embedding trained at another
+    image size (or patch grid) is interpolated to this model's grid.
+    `allow_missing_head`: head.* tensors may be absent (TRAIN.WEIGHTS);
+    `reset_head`: head.* tensors of another shape are skipped too, leaving the
+    model's fresh classifier (TRAIN.RESET_HEAD)."""
+    state, ema, meta, why = _read(path, use_ema)
+    ours = model.state_dict()
+    state = dict(state)
+    note = resample_pos_embedding(state, ours)
+    reset = []
+    if reset_head:
+        reset = [
+            k
+            for k in ours
+            if k.startswith(HEAD) and k in state and state[k].shape != ours[k].shape
+        ]
+        state = {k: v for k, v in state.items() if k not in reset}
+    what = _misfit(state, ours, allow_missing_head, reset_head)
+    if what:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: it {what}")
+    model.load_state_dict(state, strict=not (allow_missing_head or reset_head))
+    epoch = meta.get("epoch")
+    return LoadedWeights(
+        path=path,
+        matched=sum(1 for k in ours if k in state),
+        total=len(ours),
+        ema=ema,
+        reinitialised=[k for k in ours if k not in state],
+        epoch=epoch if isinstance(epoch, int) else None,
+        iteration=int(meta.get("iter") or 0),
+        why=why,
+        notes=[note] if note else [],
+    )

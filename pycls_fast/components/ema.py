@@ -1,0 +1,51 @@
+"""Exponential moving average (EMA) of the model weights, with pycls's semantics."""
+
+import copy
+
+import torch
+from torch import nn
+from yacs.config import CfgNode
+
+from pycls_fast.runtime.distributed import local_tensor
+
+
+def create_ema(model: nn.Module) -> nn.Module:
+    """Returns a frozen copy of `model` to hold the EMA weights, in fp32 whatever the
+    model's dtypes: with alpha ~ 1e-3 an update in bf16 or fp16 rounds away (the
+    EMA would not move). Evaluated under autocast like AMP O2 (trainer.test_epoch).
+    Made before the model is sharded or wrapped; FSDP shards it alike."""
+    ema = copy.deepcopy(model).float()
+    for p in ema.parameters():
+        p.requires_grad_(False)
+    return ema
+
+
+def ema_alpha(cfg: CfgNode, epoch: float) -> float:
+    """pycls's EMA update value, made fairly independent of batch size and length.
+
+    alpha = EMA_ALPHA * BATCH_SIZE / MAX_EPOCH * EMA_UPDATE_PERIOD (capped at 1); during
+    warmup the EMA simply copies the weights (alpha = 1).
+    """
+    adjust = cfg.TRAIN.BATCH_SIZE / cfg.OPTIM.MAX_EPOCH * cfg.OPTIM.EMA_UPDATE_PERIOD
+    alpha = min(1.0, cfg.OPTIM.EMA_ALPHA * adjust)
+    return 1.0 if epoch < cfg.OPTIM.WARMUP_EPOCHS else alpha
+
+
+@torch.no_grad()
+def update_ema(model: nn.Module, ema: nn.Module, alpha: float) -> None:
+    """ema <- (1 - alpha) * ema + alpha * model, over the whole state (buffers too)."""
+    # FSDP: both are sharded alike, so each rank updates its own shards.
+    ema_tensors = [local_tensor(t) for t in ema.state_dict().values()]
+    tensors = [local_tensor(t) for t in model.state_dict().values()]
+    floats = [(e, t) for e, t in zip(ema_tensors, tensors) if e.is_floating_point()]
+    if floats:
+        es, ts = zip(*floats)
+        torch._foreach_lerp_(list(es), [t.to(e.dtype) for e, t in floats], alpha)
+    for e, t in zip(ema_tensors, tensors):
+        if not e.is_floating_point():
+            e.copy_(t)
+
+
+def ema_enabled(cfg: CfgNode) -> bool:
+    """Whether the config asks for an EMA model."""
+    return cfg.OPTIM.EMA_ALPHA > 0 and cfg.OPTIM.EMA_UPDATE_PERIOD > 0

@@ -1,1 +1,0 @@
-"""Training engine pieces: command-line handling, trainer, optimizer, precision, ..."""

@@ -1,0 +1,209 @@
+"""Per-image transforms on the host: an encoded image in, a uint8 RGB image of fixed
+size written into its row of the batch.
+
+Train: random-resized-crop (or DeiT III's simple random crop, DATA.TRAIN_CROP) +
+horizontal flip at TRAIN.IM_SIZE, then the optional DeiT III 3-Augment
+(TRAIN.THREE_AUGMENT), colour jitter (TRAIN.COLOR_JITTER) and TRAIN.AUGMENT policy
+(timm's AutoAugment / RandAugment); augment.py holds the DeiT pieces.
+Test: resize the shorter side to TEST.IM_SIZE and center-crop TRAIN.IM_SIZE (pycls).
+The train crop is resized by torch's uint8 antialiased bilinear kernel
+(`EncodedImage.crop_flip_resize_into`, JPEGs decoded without Pillow's header
+parsing); the test crop by Pillow (`resize(box=...)`, exact pycls resize-then-crop at
+fractional boxes); both on a reduced-size JPEG decode where that keeps enough pixels.
+Colour normalization and PCA lighting are not here: they run on the device
+(pycls_fast/datasets/to_device/transform.py), so batches stay uint8 on the host.
+"""
+
+import math
+import random
+import re
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from PIL import Image
+from yacs.config import CfgNode
+
+from pycls_fast.datasets.images import augment as deit
+from pycls_fast.datasets.images.decode import EncodedImage, crop_resize, to_rgb
+from pycls_fast.errors import ConfigError
+
+# ImageNet mean in 0-255, timm's fill colour for geometric augmentations.
+_FILL = (124, 116, 104)
+
+
+def random_resized_crop_box(
+    w: int,
+    h: int,
+    rng: random.Random,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> tuple[int, int, int, int]:
+    """Returns a random crop box (left, top, right, bottom) of a `w` x `h` image.
+
+    The box covers a uniform fraction in `scale` of the area with a log-uniform aspect
+    ratio in `ratio` (torchvision's RandomResizedCrop and pycls's random_sized_crop);
+    after 10 failed tries, the largest center crop within `ratio`. `rng` is a
+    `random.Random`.
+    """
+    area = w * h
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        cw = round(math.sqrt(target * aspect))
+        ch = round(math.sqrt(target / aspect))
+        if 0 < cw <= w and 0 < ch <= h:
+            x = rng.randint(0, w - cw)
+            y = rng.randint(0, h - ch)
+            return (x, y, x + cw, y + ch)
+    in_ratio = w / h
+    if in_ratio < ratio[0]:
+        cw, ch = w, round(w / ratio[0])
+    elif in_ratio > ratio[1]:
+        cw, ch = round(h * ratio[1]), h
+    else:
+        cw, ch = w, h
+    x, y = (w - cw) // 2, (h - ch) // 2
+    return (x, y, x + cw, y + ch)
+
+
+def center_crop_box(
+    w: int, h: int, resize_size: int, crop_size: int
+) -> tuple[float, float, float, float]:
+    """Returns the box that 'resize the shorter side to `resize_size`, then center-crop
+    `crop_size`' keeps, in the coordinates of the `w` x `h` original."""
+    side = min(w, h) * crop_size / resize_size
+    x, y = (w - side) / 2, (h - side) / 2
+    return (x, y, x + side, y + side)
+
+
+def make_augment(
+    augment: str, im_size: int
+) -> Callable[[Image.Image], Image.Image] | None:
+    """Returns timm's transform for a pycls TRAIN.AUGMENT string, or None for ''.
+
+    'AutoAugment': the ImageNet policy of the AutoAugment paper (timm 'original').
+    'RandAugment_N2_M0.5[_P1.0]': N ops per image at magnitude M in [0, 1] (pycls's
+    scale; timm's is 0-10, so M0.5 -> m5), each applied with probability P (pycls
+    default 1.0). Raises ConfigError naming TRAIN.AUGMENT on anything else.
+    """
+    if not augment:
+        return None
+    from timm.data.auto_augment import auto_augment_transform, rand_augment_transform
+
+    hparams = {"translate_const": int(im_size * 0.45), "img_mean": _FILL}
+    if augment == "AutoAugment":
+        return auto_augment_transform("original", hparams)
+    match = re.fullmatch(r"RandAugment((?:_[NMP][0-9.]+)*)", augment)
+    if not match:
+        raise ConfigError(
+            f"TRAIN.AUGMENT must be '', 'AutoAugment' or 'RandAugment_N<n>_M<m>', "
+            f"got {augment!r}"
+        )
+    params = {p[0]: float(p[1:]) for p in match.group(1).split("_")[1:]}
+    if "M" not in params or not 0 <= params["M"] <= 1:
+        raise ConfigError(
+            f"TRAIN.AUGMENT {augment!r} needs a magnitude M in [0, 1], "
+            "e.g. RandAugment_N2_M0.5"
+        )
+    n, m, p = int(params.get("N", 2)), round(params["M"] * 10), params.get("P", 1.0)
+    return rand_augment_transform(f"rand-n{n}-m{m}-p{p}", hparams)
+
+
+class TrainTransform:
+    """Random-resized-crop (or DeiT III's simple random crop) + flip (+ 3-Augment,
+    colour jitter, AutoAugment / RandAugment) to `im_size` x `im_size` RGB."""
+
+    def __init__(
+        self,
+        im_size: int,
+        augment: str = "",
+        scale: Sequence[float] = (0.08, 1.0),
+        hflip: float = 0.5,
+        crop: str = "random_resized",
+        three_augment: bool = False,
+        color_jitter: float = 0.0,
+    ) -> None:
+        self.out_size = (im_size, im_size)
+        self.augment = make_augment(augment, im_size)
+        self.scale = tuple(scale)
+        self.hflip = hflip
+        self.simple_crop = crop == "simple_random"
+        self.three_augment = three_augment
+        self.color_jitter = color_jitter
+        self.direct = not (
+            self.augment or self.simple_crop or three_augment or color_jitter
+        )
+
+    def __call__(
+        self, image: EncodedImage, rng: random.Random, out: np.ndarray
+    ) -> None:
+        """Writes the transformed `image` into `out`.
+
+        `image`: an EncodedImage (not yet decoded); `rng`: a `random.Random`; `out`:
+        writable uint8 (im_size, im_size, 3) array. With TRAIN.AUGMENT, timm's policies
+        work on PIL images, so that path resizes with Pillow. timm's augmentations
+        draw from the global `random` module, so with TRAIN.AUGMENT set, results are
+        not reproducible across runs of a multi-threaded loader.
+        """
+        if self.simple_crop:
+            im = deit.simple_random_crop(to_rgb(image.pil()), self.out_size[0], rng)
+            flip = rng.random() < self.hflip
+        else:
+            box = random_resized_crop_box(*image.size, rng, scale=self.scale)
+            flip = rng.random() < self.hflip
+            if self.direct:
+                image.crop_flip_resize_into(box, out, flip)
+                return
+            im = crop_resize(image.pil(), box, self.out_size)
+        if flip:
+            im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        # DeiT III's order: crop and flip, 3-Augment, colour jitter.
+        if self.three_augment:
+            im = deit.three_augment(im, rng)
+        if self.color_jitter:
+            im = deit.color_jitter(im, self.color_jitter, rng)
+        if self.augment is not None:
+            im = self.augment(im)
+        _write(im, out)
+
+
+class TestTransform:
+    """Resize the shorter side to `resize_size`, center-crop `im_size` (pycls)."""
+
+    def __init__(self, im_size: int, resize_size: int) -> None:
+        self.out_size = (im_size, im_size)
+        self.resize_size = resize_size
+
+    def __call__(
+        self, image: EncodedImage, rng: random.Random, out: np.ndarray
+    ) -> None:
+        """Writes the center crop of `image` (an EncodedImage) into `out`, a writable
+        uint8 (im_size, im_size, 3) array; `rng` is unused."""
+        box = center_crop_box(*image.size, self.resize_size, self.out_size[0])
+        _write(crop_resize(image.pil(), box, self.out_size), out)
+
+
+def _write(im, out):
+    """Copies the RGB PIL image `im` into `out`; a size mismatch is a transform bug,
+    not a bad file, so it is not raised as one of the decode errors."""
+    arr = np.asarray(im)
+    if arr.shape != out.shape:
+        raise RuntimeError(f"transform returned {arr.shape}, expected {out.shape}")
+    out[...] = arr
+
+
+def build_transform(cfg: CfgNode, train: bool) -> "TrainTransform | TestTransform":
+    """Returns the train (TRAIN.IM_SIZE, TRAIN.AUGMENT) or test (TEST.IM_SIZE, then
+    TRAIN.IM_SIZE) transform of `cfg`."""
+    if train:
+        return TrainTransform(
+            cfg.TRAIN.IM_SIZE,
+            cfg.TRAIN.AUGMENT,
+            cfg.DATA.CROP_SCALE,
+            cfg.DATA.HFLIP,
+            cfg.DATA.TRAIN_CROP,
+            cfg.TRAIN.THREE_AUGMENT,
+            cfg.TRAIN.COLOR_JITTER,
+        )
+    return TestTransform(cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE)

@@ -1,0 +1,136 @@
+"""test_net's evaluations: TEST.WEIGHTS at several resolutions (TEST.SIZES), on
+several test sets (TEST.SPLIT + TEST.EXTRA_SPLITS, e.g. ImageNet-V2), and with
+ImageNet-ReaL labels (TEST.REAL_LABELS), in one run.
+
+Each (size, split) is one `test_epoch` record with `im_size` and `split` fields (and
+`real_top1_err` for the main split with ReaL labels); `evaluate` returns them in order.
+At another size the model is built at that size and the weights loaded into it, so
+the position embedding is interpolated (checkpoint/weights.py); the resize before
+the center crop keeps the config's crop ratio (TRAIN.IM_SIZE / TEST.IM_SIZE).
+"""
+
+import json
+import logging
+import os
+import re
+
+import torch
+from yacs.config import CfgNode
+
+from pycls_fast.components.precision import autocast
+from pycls_fast.config import with_overrides
+from pycls_fast.engine.trainer import (
+    build_components,
+    checkpoint_epoch_label,
+    prepare_test,
+    test_epoch,
+)
+from pycls_fast.errors import UserError
+from pycls_fast.runtime import distributed
+
+logger = logging.getLogger(__name__)
+
+_VAL_NUMBER = re.compile(r"ILSVRC2012_val_(\d+)")
+
+
+def at_size(cfg: CfgNode, size: int) -> CfgNode:
+    """`cfg` evaluated at crop `size`, the resize scaled to keep the crop ratio."""
+    if size == cfg.TRAIN.IM_SIZE:
+        return cfg
+    resize = round(size * cfg.TEST.IM_SIZE / cfg.TRAIN.IM_SIZE)
+    return with_overrides(cfg, {"TRAIN.IM_SIZE": size, "TEST.IM_SIZE": resize})
+
+
+def load_real_labels(path: str) -> list[list[int]]:
+    """ImageNet-ReaL's real.json: for validation image k (ILSVRC2012_val_0000k+1), the
+    list of its plausible labels (empty: left out of ReaL accuracy)."""
+    try:
+        with open(path) as f:
+            real = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"TEST.REAL_LABELS {path}: cannot read it ({e})") from None
+    if not isinstance(real, list) or not all(isinstance(r, list) for r in real):
+        raise UserError(f"TEST.REAL_LABELS {path}: expected a list of label lists")
+    return real
+
+
+def real_top1_err(parts, model, real: list[list[int]]) -> tuple[float, int]:
+    """(top-1 error % under ReaL labels, images counted) of `model` on the test
+    loader's images, all ranks together. Predictions are matched to images through
+    the loader's plan, less the images it skipped as bad (known by path)."""
+    loader = parts.test_loader
+    index = loader.decoder.index
+    plan = iter(loader.plan(0))
+    correct, counted = 0, 0
+    model.eval()
+    loader.set_epoch(0)
+    for images, _ in loader:
+        bad = {path for path, _ in loader.bad_images}
+        for batch in plan:  # a batch of only bad images was not yielded
+            good = [int(i) for i in batch if index.path(int(i)) not in bad]
+            if good:
+                break
+        inputs, _ = parts.test_prep(images, torch.zeros(len(images), dtype=torch.long))
+        with torch.no_grad(), autocast(parts.device.type, parts.mode, parts.half_dtype):
+            preds = model(inputs).argmax(dim=1).tolist()
+        for i, pred in zip(good, preds, strict=True):
+            match = _VAL_NUMBER.search(os.path.basename(index.path(i)))
+            if match is None:
+                raise UserError(
+                    f"TEST.REAL_LABELS: {index.path(i)} is not named "
+                    "ILSVRC2012_val_<number> (ReaL labels are by validation file)"
+                )
+            labels = real[int(match.group(1)) - 1]
+            if labels:
+                counted += 1
+                correct += pred in labels
+    correct, counted = distributed.all_reduce_sum([correct, counted])
+    return 100.0 * (1.0 - correct / max(counted, 1)), int(counted)
+
+
+def evaluate(cfg: CfgNode, path: str) -> list[dict]:
+    """Evaluates the checkpoint `path` at each TEST.SIZES on each test split; returns
+    the records (the first: TRAIN.IM_SIZE or the first size, on TEST.SPLIT)."""
+    sizes = list(cfg.TEST.SIZES) or [cfg.TRAIN.IM_SIZE]
+    splits = [cfg.TEST.SPLIT, *cfg.TEST.EXTRA_SPLITS]
+    real = load_real_labels(cfg.TEST.REAL_LABELS) if cfg.TEST.REAL_LABELS else None
+    records = []
+    for size in sizes:
+        cfg_s = at_size(cfg, size)
+        parts = build_components(
+            cfg_s, loaders=(), weights=path, use_ema=cfg.TEST.USE_EMA
+        )
+        label = checkpoint_epoch_label(parts.loaded, cfg.OPTIM.MAX_EPOCH)
+        for split in splits:
+            cfg_x = with_overrides(cfg_s, {"TEST.SPLIT": split})
+            parts.attach_test_loader(cfg_x)
+            extra = {"im_size": size, "split": split}
+            if real is not None and split == cfg.TEST.SPLIT:
+                err, n = real_top1_err(parts, parts.model, real)
+                extra.update(real_top1_err=err, real_images=n)
+            records.append(test_epoch(parts, parts.model, 0, label=label, extra=extra))
+    return records
+
+
+def format_table(records: list[dict]) -> str:
+    """The records as a text table: split, size, top-1, top-5 (and ReaL top-1)."""
+    real = any("real_top1_err" in r for r in records)
+    head = "| split | size | top-1 | top-5 |" + (" ReaL top-1 |" if real else "")
+    lines = [head, "|---|---|---|---|" + ("---|" if real else "")]
+    for r in records:
+        row = (
+            f"| {r['split']} | {r['im_size']} | {100 - r['top1_err']:.2f} | "
+            f"{100 - r['top5_err']:.2f} |"
+        )
+        if real:
+            value = r.get("real_top1_err")
+            row += f" {100 - value:.2f} |" if value is not None else " |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def evaluate_model(cfg: CfgNode) -> list[dict]:
+    """test_net's entry point on every rank: sets up the run as test_model does and
+    returns `evaluate`'s records."""
+    cfg, path = prepare_test(cfg)
+    return evaluate(cfg, path)

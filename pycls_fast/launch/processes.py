@@ -1,0 +1,253 @@
+"""Launching a job: one process, torchrun's workers, or NUM_GPUS processes spawned
+here (pycls's `NUM_GPUS N`); joining the process group and ending the process.
+
+    result = launch(fn, cfg)   # fn(cfg) on every rank; its result on rank 0
+
+Above runtime/distributed.py (pure helpers) and runtime/preemption.py (signals): the
+launcher forwards SIGTERM to spawned ranks and reports a stopped job.
+"""
+
+import datetime
+import logging
+import os
+import random
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from yacs.config import CfgNode
+
+from pycls_fast.config import check_launch, with_overrides
+from pycls_fast.errors import (
+    ConfigError,
+    RankFailedError,
+    Stopped,
+    error_line,
+    exit_code,
+)
+from pycls_fast.runtime import preemption
+from pycls_fast.runtime.device_info import check_gpus_usable
+from pycls_fast.runtime.distributed import (
+    destroy_process_group,
+    device,
+    is_main,
+    local_world_size,
+)
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or another env:// launcher)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def backend_for(cfg: CfgNode) -> str:
+    """NCCL on GPUs (DIST_BACKEND), gloo on CPUs."""
+    return cfg.DIST_BACKEND if torch.cuda.is_available() else "gloo"
+
+
+def _timeout(cfg):
+    return datetime.timedelta(seconds=cfg.DIST.TIMEOUT_S)
+
+
+# Whether this process joined an env:// group (see exit_process).
+_joined_env_group = False
+
+
+def init_process_group(cfg: CfgNode) -> None:
+    """Joins the env:// process group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+    with a timeout on every collective, so a lost rank stops the job instead of
+    hanging it; sets this process's GPU (LOCAL_RANK, checked) and CPU threads."""
+    if not torch.cuda.is_available():
+        # N processes on one CPU box share its cores: no oversubscription.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        torch.set_num_threads(max(1, cores // max(local_world_size(), 1)))
+    dist.init_process_group(
+        backend_for(cfg), timeout=_timeout(cfg), **_bind_device(cfg)
+    )
+    global _joined_env_group
+    _joined_env_group = True
+
+
+def _bind_device(cfg):
+    """Sets this process's GPU and returns init_process_group's `device_id` for it
+    (NCCL then forms its communicator at once, so a bad GPU fails here); {} on CPUs.
+    A LOCAL_RANK beyond the visible GPUs is a DeviceError."""
+    if not torch.cuda.is_available():
+        return {}
+    gpu = device()
+    torch.cuda.set_device(gpu)
+    return {"device_id": gpu} if backend_for(cfg) == "nccl" else {}
+
+
+def init_single_process_group(cfg: CfgNode) -> None:
+    """A process group of one (FSDP needs one even on a single device), on GPU
+    LOCAL_RANK when CUDA is usable."""
+    store = dist.HashStore()
+    dist.init_process_group(
+        backend_for(cfg),
+        store=store,
+        rank=0,
+        world_size=1,
+        timeout=_timeout(cfg),
+        **_bind_device(cfg),
+    )
+
+
+def _match_world_size(cfg, world):
+    """Under torchrun the world size is torchrun's: NUM_GPUS must be 1 (the default)
+    or equal to it. Returns the config with NUM_GPUS set to it (batch sizes are then
+    checked against it)."""
+    if cfg.NUM_GPUS not in (1, world):
+        raise ConfigError(
+            f"NUM_GPUS ({cfg.NUM_GPUS}) does not match torchrun's WORLD_SIZE "
+            f"({world}): leave NUM_GPUS at 1 under torchrun, or set it to the world "
+            "size"
+        )
+    return with_overrides(cfg, {"NUM_GPUS": world})
+
+
+def _free_port(cfg):
+    """cfg.PORT, or a free port from PORT_RANGE (pycls picks one at random)."""
+    if cfg.PORT:
+        return cfg.PORT
+    lo, hi = cfg.PORT_RANGE
+    for _ in range(100):
+        port = random.randint(lo, hi)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+                return port
+            except OSError:
+                continue
+    raise ConfigError(f"no free port in PORT_RANGE {list(cfg.PORT_RANGE)}")
+
+
+def launch(fn: Callable[[CfgNode], Any], cfg: CfgNode) -> Any:
+    """Runs `fn(cfg)` as the job the config and environment ask for; returns its result
+    on rank 0 (also when this process spawned the ranks), None on the other ranks.
+
+    - under torchrun: joins the process group of WORLD_SIZE processes;
+    - NUM_GPUS > 1 outside torchrun: spawns NUM_GPUS local processes (one per GPU, or
+      sharing the CPU cores) and waits; when one dies, the others are stopped and
+      RankFailedError names it;
+    - otherwise: runs `fn(cfg)` here (with a one-process group when FSDP is enabled).
+
+    (LAUNCH.MODE slurm / submitit_local jobs come here on each of their tasks, as
+    under torchrun: launch/submit.py.) Launch keys that cannot be honoured are refused
+    first (ConfigError), and GPUs asked for (NUM_GPUS > 1 with 'nccl') on a machine
+    whose driver torch cannot use are a DeviceError, before any work starts.
+    """
+    check_launch(cfg)
+    check_gpus_usable(cfg)
+    if under_torchrun():
+        cfg = _match_world_size(cfg, int(os.environ["WORLD_SIZE"]))
+        return _run_in_group(fn, cfg, init_process_group)
+    if cfg.NUM_GPUS > 1:
+        return _spawn(fn, cfg)
+    if cfg.FSDP.ENABLED:
+        return _run_in_group(fn, cfg, init_single_process_group)
+    return fn(cfg)
+
+
+def _run_in_group(fn, cfg, init):
+    """fn(cfg) inside a process group; its result on rank 0, None on the others."""
+    init(cfg)
+    try:
+        out = fn(cfg)
+        return out if is_main() else None
+    finally:
+        destroy_process_group()
+
+
+def _spawn(fn, cfg):
+    import torch.multiprocessing as mp
+
+    n = cfg.NUM_GPUS
+    if torch.cuda.is_available() and torch.cuda.device_count() < n:
+        raise ConfigError(
+            f"NUM_GPUS is {n} but this machine has {torch.cuda.device_count()} GPUs"
+        )
+    env = {
+        "MASTER_ADDR": cfg.HOST,
+        "MASTER_PORT": str(_free_port(cfg)),
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+    }
+    result = mp.get_context("spawn").SimpleQueue()
+    context = mp.start_processes(
+        _spawned_worker,
+        args=(fn, cfg, env, result),
+        nprocs=n,
+        start_method="spawn",
+        join=False,
+    )
+    # A SIGTERM sent to this launcher reaches the ranks, which checkpoint and stop.
+    previous = preemption.forward_signals(lambda: [p.pid for p in context.processes])
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessExitedException as e:
+        if e.exit_code is not None and e.exit_code > 0:
+            # The rank printed its own error line; end with its status.
+            raise RankFailedError(
+                f"rank {e.error_index} failed (exit status {e.exit_code}); "
+                "the other ranks were stopped",
+                e.exit_code if e.exit_code in (1, 2) else 1,
+            ) from None
+        raise RankFailedError(
+            f"rank {e.error_index} was killed by {e.signal_name or 'a signal'}; the "
+            "other ranks were stopped",
+            1,
+        ) from None
+    finally:
+        preemption.restore_signals(previous)
+    if result.empty():
+        return None
+    outcome = result.get()
+    if outcome[0] == "stopped":
+        raise Stopped(*outcome[1:])
+    return outcome[1]
+
+
+def _spawned_worker(index, fn, cfg, env, result):
+    """Entry point of a spawned rank: its env:// variables, the group, `fn(cfg)`.
+    Errors end the process with pycls_fast's exit statuses (2: user mistake)."""
+    os.environ.update(env, RANK=str(index), LOCAL_RANK=str(index))
+    code = 0
+    try:
+        out = ("done", _run_in_group(fn, cfg, init_process_group))
+    except Stopped as e:
+        # Every rank stopped at the same iteration after the checkpoint: a clean end
+        # that the launcher reports with the signal's exit status.
+        out = ("stopped", str(e), e.signum)
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - mapped by type
+        out, code = None, exit_code(e)
+        if not isinstance(e, KeyboardInterrupt):
+            line = error_line(e).removeprefix("error: ")
+            print(f"error: rank {index}: {line}", file=sys.stderr)
+    if index == 0 and out is not None:
+        result.put(out)
+    _hard_exit(code)
+
+
+def _hard_exit(code):
+    """Ends a process that used a process group, skipping the interpreter's teardown:
+    torch's gloo objects still alive then (device meshes cache their groups) can
+    abort the process (SIGABRT) while being destroyed, after all work is done."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_process(code: int) -> NoReturn:
+    """Exits with status `code`: through `_hard_exit` in a torchrun worker that joined
+    a process group (the same teardown abort showed there too: "terminate called
+    without an active exception", SIGABRT after the run had finished), else through
+    SystemExit."""
+    if _joined_env_group and under_torchrun():
+        _hard_exit(code)
+    sys.exit(code)

@@ -1,0 +1,138 @@
+"""Where stats records go besides the log: a CSV of epoch stats and TensorBoard.
+
+    attach_stats_sinks(out_dir, tensorboard=True)   # main process, after setup_logging
+
+Both are logging handlers on the root logger that take the records `log_json_stats`
+logs (their `json_stats` values, rounded as the log line rounds them), so every record
+reaches every sink once, from one place:
+
+- OUT_DIR/epoch_stats.csv: one row per (record type, epoch) of the epoch records
+  (train_epoch, test_epoch, test_ema_epoch), columns in a fixed order; a resumed run
+  that logs an epoch again replaces its row instead of adding a second one.
+- OUT_DIR/tb_log/ (pycls's vitconfigs folder name), with `LOG_TENSORBOARD True`:
+  every numeric field of every record as the scalar `<type>/<field>` (pycls's
+  `train_iter/loss`, `test_epoch/top1_err`, ...), at the global iteration for
+  iteration records and at the epoch for epoch records.
+"""
+
+import csv
+import json
+import logging
+import os
+
+from pycls_fast.errors import UserError
+from pycls_fast.observe.console import STATS_ATTR
+from pycls_fast.observe.logging import dump_json_stats
+
+CSV_FILE = "epoch_stats.csv"
+TB_DIR = "tb_log"
+EPOCH_TYPES = ("train_epoch", "test_epoch", "test_ema_epoch")
+CSV_COLUMNS = [
+    "_type", "epoch", "loss", "top1_err", "top5_err", "lr", "img_per_s", "images",
+    "data_wait_frac", "bad_images", "skipped_steps", "loss_scale", "time_epoch_s",
+    "mem_mb",
+]  # fmt: skip
+
+
+def _logged(stats: dict) -> dict:
+    """The record as its json_stats line holds it (floats to 6 significant digits)."""
+    return json.loads(dump_json_stats(stats).split(": ", 1)[1])
+
+
+def _fraction(text) -> tuple[int, int] | None:
+    """'3/10' -> (3, 10); None for anything else."""
+    try:
+        done, total = str(text).split("/")
+        return int(done), int(total)
+    except ValueError:
+        return None
+
+
+class _StatsHandler(logging.Handler):
+    """Passes the stats of json_stats records to `take(stats)`."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stats = getattr(record, STATS_ATTR, None)
+        if stats is None:
+            return
+        try:
+            self.take(_logged(stats))
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+    def take(self, stats: dict) -> None:
+        raise NotImplementedError
+
+
+class CsvEpochStats(_StatsHandler):
+    """OUT_DIR/epoch_stats.csv: a row per (type, epoch) of the epoch records."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.path = os.path.join(out_dir, CSV_FILE)
+        self.rows: list[dict] = []
+        if os.path.exists(self.path):
+            with open(self.path, newline="") as f:
+                self.rows = list(csv.DictReader(f))
+
+    def take(self, stats: dict) -> None:
+        if stats.get("_type") not in EPOCH_TYPES:
+            return
+        row = {c: stats.get(c, "") for c in CSV_COLUMNS}
+        key = (str(row["_type"]), str(row["epoch"]))
+        kept = [r for r in self.rows if (r["_type"], r["epoch"]) != key]
+        self.rows = kept + [row]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(self.rows)
+        os.replace(tmp, self.path)
+
+
+class TensorBoardStats(_StatsHandler):
+    """OUT_DIR/tb_log: every numeric field of every record as a scalar."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UserError(
+                "LOG_TENSORBOARD needs the tensorboard package: pip install "
+                "tensorboard (or pip install -e .[tensorboard])"
+            ) from None
+        self.writer = SummaryWriter(os.path.join(out_dir, TB_DIR))
+
+    @staticmethod
+    def step(stats: dict) -> int | None:
+        """The x of a record: its global iteration (iteration records) or epoch."""
+        epoch = _fraction(stats.get("epoch"))
+        if epoch is None:
+            return None
+        it = _fraction(stats.get("iter"))
+        if it is not None:
+            return (epoch[0] - 1) * it[1] + it[0]
+        return epoch[0]
+
+    def take(self, stats: dict) -> None:
+        kind, step = stats.get("_type", "stats"), self.step(stats)
+        if step is None:
+            return
+        for key, value in stats.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"{kind}/{key}", value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+        super().close()
+
+
+def attach_stats_sinks(out_dir: str, tensorboard: bool = False) -> None:
+    """Adds the CSV (and with `tensorboard`, the TensorBoard) sink to the root logger
+    (setup_logging removes them with the other handlers)."""
+    root = logging.getLogger()
+    root.addHandler(CsvEpochStats(out_dir))
+    if tensorboard:
+        root.addHandler(TensorBoardStats(out_dir))

@@ -1,0 +1,403 @@
+"""Per-rank memory of a training layout, and the layout a run should use.
+
+    mem = per_rank_memory(cfg, Candidate(pp=2, dp=4, tp=8, fsdp=True))  # bytes by part
+    best, rows = plan(cfg, num_gpus=64, gpu_gib=80)  # plan_net.py, PARALLEL.AUTO
+
+A candidate is a (pp, dp, tp) layout of the GPUs (parallel/mesh.py), DDP or FSDP over
+its data-parallel ranks, with or without activation checkpointing. The parts, as
+pycls_fast lays them out (exact per tensor, from the model built on the meta device,
+so a 22B model costs nothing to plan), for the rank that holds the most:
+- params, grads, optimizer state, fp32 master copies (AMP O2 without FSDP), the fp32
+  EMA: tensor parallelism keeps 1/TP of each block matmul's weight (rows of
+  attn_proj and linear_1 with their biases, columns of out_proj and linear_2) and
+  the rest whole; a pipeline rank holds its stages' blocks (the first stage also the
+  stem and tokens, the last the head: parallel/pipeline.py's `stage_bounds`, two stages
+  per rank when interleaved); FSDP then keeps one
+  dim-0 chunk of each tensor per data-parallel rank (the largest chunk, rank 0's);
+- under FSDP, the weights gathered for computing (the block running and the one
+  prefetched, in the compute dtype) and one block's unsharded gradients; in a
+  pipeline, the whole stage's weights and gradients unsharded (torch's PipelineStage
+  gathers an FSDP stage once for all its micro-batches and reduces after the last);
+- activations kept for backward, per block and image, by Korthikanti et al.
+  ("Reducing Activation Recomputation in Large Transformer Models", 2022, eqs. 2-4):
+  s*h*(34 + 5*a*s/h) bytes in 16-bit (twice in fp32); with TP s*h*(10 + 24/t +
+  5*a*s/(h*t)), with sequence parallelism s*h*(34 + 5*a*s/h)/t; with activation
+  checkpointing each block keeps its input (2*s*h, /t with sequence parallelism) and
+  one block's activations live at a time. A pipeline's first stage keeps the
+  activations of PP micro-batches in flight under 1F1B (of all of them under GPipe;
+  1 + (PP-1)/(2*PP) times PP under interleaved 1F1B with 2 stages per rank).
+
+The predicted step speed, as a fraction of the GPUs' ASSUMED_FLOPS, multiplies:
+- the matmul size: t / (t + HALF_TOKENS) for t tokens per forward call (a
+  data-parallel rank's batch, or one pipeline micro-batch);
+- the pipeline bubble: m / (m + PP - 1) for m micro-batches (m / (m + (PP-1)/2)
+  interleaved);
+- tensor parallelism's all-reduces, not overlapped with compute: per block and
+  step, 8 x (t-1)/t x s*b*h bytes in 16-bit over the link, against 72*s*b*h^2/t
+  flops; at ASSUMED_FLOPS per GPU and ASSUMED_LINK bytes/s (NVLink within a node;
+  TP is kept within NODE_GPUS);
+- activation checkpointing: 3/4 (the forward is computed twice: 4/3 of the flops).
+FSDP's and DDP's gradient reductions are taken as overlapped with backward.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from yacs.config import CfgNode
+
+from pycls_fast.components.precision import AmpMode, resolve_amp
+from pycls_fast.config import with_overrides
+from pycls_fast.errors import UserError
+from pycls_fast.models import build_model
+from pycls_fast.parallel.pipeline import stage_bounds, stages_per_rank
+from pycls_fast.parallel.tensor_parallel import (
+    COLUMN_SPLIT,
+    ROW_SPLIT,
+    sequence_parallel,
+)
+
+GIB = 2**30
+HEADROOM = 0.9  # of a GPU's memory: the allocator's fragmentation, CUDA context
+# Assumptions of the speed model (H100 SXM): 40% of the 989 TFLOP/s bf16 dense peak,
+# and an NVLink all-reduce bus bandwidth of 300 GB/s; 8 GPUs per NVLink domain.
+ASSUMED_FLOPS = 0.4 * 989e12
+ASSUMED_LINK = 300e9
+NODE_GPUS = 8
+# The smallest pipeline micro-batch considered: below it a GPU's matmuls run far
+# from their peak.
+MIN_MICRO = 4
+# Tokens per forward at which a block's matmuls run at half their large-batch speed
+# (an assumption: launch and tile overheads; small micro-batches pay it).
+HALF_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout of the GPUs: pipeline x data x tensor parallel sizes, FSDP or DDP
+    over the data-parallel ranks, activation checkpointing."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    fsdp: bool = False
+    checkpoint: bool = False
+    micro: int = 0  # pipeline micro-batches per step (0 without a pipeline)
+
+    @property
+    def name(self) -> str:
+        dp = f"{'fsdp' if self.fsdp else 'ddp'}{self.dp}"
+        parts = [f"pp{self.pp}m{self.micro}"] if self.pp > 1 else []
+        parts += [dp] + ([f"tp{self.tp}"] if self.tp > 1 else [])
+        return "x".join(parts) + ("+ac" if self.checkpoint else "")
+
+
+def _param_tensors(cfg):
+    """(name, shape, whether it sits in a LayerNorm) of each trainable parameter."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    out = []
+    for prefix, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.requires_grad:
+                full = f"{prefix}.{name}" if prefix else name
+                out.append((full, tuple(p.shape), isinstance(module, nn.LayerNorm)))
+    return out
+
+
+def _block_of(name: str) -> int | None:
+    if ".block_" not in name:
+        return None
+    return int(name.split(".block_")[1].split(".")[0])
+
+
+def _on_stages(name: str, stages: list[int], bounds) -> bool:
+    """Whether the parameter `name` lives on one of the pipeline `stages`."""
+    block = _block_of(name)
+    if block is not None:
+        return any(bounds[s][0] <= block < bounds[s][1] for s in stages)
+    if name.startswith(("encoder.ln", "head")):
+        return len(bounds) - 1 in stages
+    return 0 in stages  # the stem, class / distillation tokens, position embedding
+
+
+def _tp_shape(name: str, shape, tp: int):
+    if tp == 1 or not shape:
+        return shape
+    if any(f".{m}." in name for m in ROW_SPLIT):
+        return (shape[0] // tp, *shape[1:])
+    if any(f".{m}." in name for m in COLUMN_SPLIT) and name.endswith("weight"):
+        return (shape[0], shape[1] // tp)
+    return shape
+
+
+def _local_numel(shape, dp, fsdp):
+    if not fsdp or not shape:
+        return math.prod(shape)
+    return math.ceil(shape[0] / dp) * math.prod(shape[1:])
+
+
+def _seq_len(cfg) -> int:
+    prefix = int(cfg.VIT.CLASSIFIER_TYPE == "token") + int(cfg.VIT.DISTILL_TOKEN)
+    return (cfg.TRAIN.IM_SIZE // cfg.VIT.PATCH_SIZE) ** 2 + prefix
+
+
+def _microbatch_choices(cfg, pp: int, per_dp: int) -> list[int]:
+    """PARALLEL.PP_MICROBATCHES when set, else 2 x PP, 4 x PP, ... while a
+    micro-batch keeps at least MIN_MICRO images (and divides the batch)."""
+    if cfg.PARALLEL.PP_MICROBATCHES:
+        return [cfg.PARALLEL.PP_MICROBATCHES]
+    out, m = [], 2 * pp
+    while per_dp % m == 0 and per_dp // m >= MIN_MICRO:
+        out.append(m)
+        m *= 2
+    return out or ([2 * pp] if per_dp % (2 * pp) == 0 else [])
+
+
+def activation_bytes(
+    cfg: CfgNode, images: int, checkpoint: bool, tp: int = 1, layers: int = 0
+) -> int:
+    """Bytes of activations kept for backward by `images` images through `layers`
+    blocks (0: all), tensor-parallel over `tp` ranks (see the module docstring), in
+    the precision of the AMP mode."""
+    s, h, a = _seq_len(cfg), cfg.VIT.HIDDEN_DIM, cfg.VIT.NUM_HEADS
+    n = layers or cfg.VIT.NUM_LAYERS
+    mode, _ = resolve_amp(cfg)
+    scale = 2.0 if mode is AmpMode.FP32 else 1.0
+    sp = sequence_parallel(cfg, tp)
+    if sp:
+        per_block = s * h * (34 + 5 * a * s / h) / tp
+    else:
+        per_block = s * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    per_block *= scale
+    kept_input = 2 * s * h * scale / (tp if sp else 1)
+    per_image = n * kept_input + per_block if checkpoint else n * per_block
+    return int(per_image * images)
+
+
+def per_rank_memory(cfg: CfgNode, c: Candidate, tensors=None) -> dict[str, int]:
+    """Bytes by part (params, grads, optimizer, master, ema, gathered, activations,
+    total) on the rank of candidate `c` that holds the most, training `cfg`.
+    `tensors`: the model's `_param_tensors` when already listed."""
+    tensors = tensors or _param_tensors(cfg)
+    per_rank = stages_per_rank(cfg) if c.pp > 1 else 1
+    bounds = stage_bounds(cfg, c.pp * per_rank)
+    stages = [_stage_memory(cfg, c, r, bounds, tensors) for r in range(c.pp)]
+    return max(stages, key=lambda m: m["total"])
+
+
+def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, int]:
+    """The bytes of pipeline rank `rank` (its stages rank and rank + PP)."""
+    stages = list(range(rank, len(bounds), c.pp))
+    mode, half = resolve_amp(cfg)
+    half_b = torch.finfo(half).bits // 8
+    ln_fp32 = cfg.AMP.LAYER_NORM_FP32
+    opt = cfg.OPTIM.OPTIMIZER
+    states = 2 if opt in ("adam", "adamw", "lamb") else int(cfg.OPTIM.MOMENTUM > 0)
+    out = dict.fromkeys(("params", "grads", "optimizer", "master", "ema"), 0)
+    block_numel = stage_numel = 0
+    for name, shape, is_ln in tensors:
+        if not _on_stages(name, stages, bounds):
+            continue
+        shape = _tp_shape(name, shape, c.tp)
+        stage_numel += math.prod(shape)
+        if _block_of(name) == bounds[stages[0]][0]:
+            block_numel += math.prod(shape)
+        n = _local_numel(shape, c.dp, c.fsdp)
+        if mode is AmpMode.O3 or (
+            mode is AmpMode.O2 and not c.fsdp and not (is_ln and ln_fp32)
+        ):
+            stored = half_b
+        else:
+            stored = 4
+        out["params"] += n * stored
+        # O2 without FSDP: the half grads move to the fp32 masters before the step.
+        master = mode is AmpMode.O2 and not c.fsdp and stored != 4
+        out["master"] += n * 4 if master else 0
+        opt_b = 4 if master else stored
+        out["grads"] += n * opt_b
+        out["optimizer"] += states * n * opt_b
+        out["ema"] += n * 4 if cfg.OPTIM.EMA_ALPHA > 0 else 0
+    out["gathered"] = 0
+    if c.fsdp:
+        compute_b = half_b if mode in (AmpMode.O2, AmpMode.O3) else 4
+        if c.pp > 1:
+            # torch's PipelineStage keeps an FSDP stage gathered from the first
+            # micro-batch's forward to the last one's backward, and its gradients
+            # unsharded until then (set_reshard_after_backward(False),
+            # set_requires_gradient_sync(False)): the whole stage, twice.
+            out["gathered"] = int(stage_numel * 2 * compute_b)
+        else:
+            out["gathered"] = int(block_numel * (2 * compute_b + 4))
+    images = cfg.TRAIN.BATCH_SIZE // c.dp // cfg.TRAIN.ACCUM_STEPS
+    layers = sum(bounds[s][1] - bounds[s][0] for s in stages)
+    if c.pp > 1:
+        m = c.micro
+        micro = images / m
+        schedule = cfg.PARALLEL.PP_SCHEDULE
+        # Micro-batches whose activations the stage keeps at its peak.
+        if schedule == "gpipe":
+            in_flight = m
+        elif schedule == "1f1b":
+            in_flight = min(m, c.pp - rank)
+        else:
+            in_flight = min(m, (c.pp - rank) * (1 + (c.pp - 1) / (2 * c.pp)))
+        images = micro * in_flight
+    out["activations"] = activation_bytes(cfg, images, c.checkpoint, c.tp, layers)
+    out["total"] = sum(out.values())
+    return out
+
+
+def predicted_speed(cfg: CfgNode, c: Candidate) -> float:
+    """Predicted step throughput, as a fraction of what the GPUs would do at
+    ASSUMED_FLOPS with no communication and full-size matmuls (module docstring)."""
+    speed = 0.75 if c.checkpoint else 1.0
+    images = cfg.TRAIN.BATCH_SIZE / c.dp / cfg.TRAIN.ACCUM_STEPS
+    if c.pp > 1:
+        m = c.micro
+        idle = (c.pp - 1) / (2 if cfg.PARALLEL.PP_SCHEDULE == "interleaved" else 1)
+        speed *= m / (m + idle)
+        images /= m
+    tokens = images * _seq_len(cfg)
+    speed *= tokens / (tokens + HALF_TOKENS)
+    if c.tp > 1:
+        h = cfg.VIT.HIDDEN_DIM
+        # Per block, token and step: communicated bytes over compute time.
+        comm = 8 * (c.tp - 1) / c.tp * h * 2 / ASSUMED_LINK
+        compute = 72 * h * h / c.tp / ASSUMED_FLOPS
+        speed *= 1.0 / (1.0 + comm / compute)
+    return speed
+
+
+@dataclass
+class Row:
+    """One candidate layout and its predicted per-rank memory and speed."""
+
+    layout: Candidate
+    memory: dict
+    fits: bool
+    speed: float
+
+
+def candidates(cfg: CfgNode, num_gpus: int) -> list[Candidate]:
+    """The layouts of `num_gpus` GPUs that `cfg` can use: TP within NODE_GPUS and
+    dividing the heads and MLP width; PP up to the layers (half of them when
+    interleaved); the batch split evenly over DP (and its micro-batches)."""
+    vit, out = cfg.VIT, []
+    schedule = cfg.PARALLEL.PP_SCHEDULE
+    for tp in (1, 2, 4, 8):
+        if tp > min(NODE_GPUS, num_gpus) or vit.NUM_HEADS % tp or vit.MLP_DIM % tp:
+            continue
+        for pp in range(1, num_gpus // tp + 1):
+            per_rank_stages = 2 if schedule == "interleaved" and pp > 1 else 1
+            if num_gpus % (tp * pp) or pp * per_rank_stages > vit.NUM_LAYERS:
+                continue
+            dp = num_gpus // (tp * pp)
+            batch = cfg.TRAIN.BATCH_SIZE
+            if batch % dp:
+                continue
+            micros = _microbatch_choices(cfg, pp, batch // dp) if pp > 1 else [0]
+            for fsdp, ckpt in ((False, False), (True, False), (True, True)):
+                if not fsdp and tp > 1 and dp > 1:
+                    continue  # TP with data parallelism needs FSDP (config check)
+                for m in micros:
+                    out.append(Candidate(pp, dp, tp, fsdp, ckpt, m))
+    return out
+
+
+def plan(cfg: CfgNode, num_gpus: int, gpu_gib: float) -> tuple[Row | None, list[Row]]:
+    """(the chosen layout or None when none fits, every candidate) for training
+    `cfg` on `num_gpus` GPUs of `gpu_gib` GiB: the fastest predicted layout that
+    fits; among equals, the simplest (least model parallelism, DDP before FSDP)."""
+    rows, tensors = [], _param_tensors(cfg)
+    for c in candidates(cfg, num_gpus):
+        mem = per_rank_memory(cfg, c, tensors)
+        fits = mem["total"] <= HEADROOM * gpu_gib * GIB
+        rows.append(Row(c, mem, fits, predicted_speed(cfg, c)))
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        return None, rows
+    best = max(
+        fitting,
+        key=lambda r: (
+            round(r.speed, 3),
+            -r.layout.tp * r.layout.pp,
+            not r.layout.fsdp,
+        ),
+    )
+    return best, rows
+
+
+_PARTS = ("params", "grads", "optimizer", "master", "ema", "gathered", "activations")
+
+
+def format_plan(
+    name: str, num_gpus: int, gpu_gib: float, best, rows, show: int = 8
+) -> str:
+    """The plan as a text table (GiB per rank): the chosen layout and the `show`
+    fastest others that fit, then the simplest that do not (0: all rows)."""
+    lines = [
+        f"{name} on {num_gpus} x {gpu_gib:.3g} GiB GPUs, GiB per rank "
+        "(params / grads / optimizer / master / ema / gathered / activations = total),"
+        " predicted speed as a fraction of the assumed peak:"
+    ]
+    ranked = sorted(rows, key=lambda r: (not r.fits, -r.speed, r.memory["total"]))
+    if show:
+        fits = [r for r in ranked if r.fits][:show]
+        misses = [r for r in ranked if not r.fits][: max(0, show - len(fits)) or 2]
+        ranked = fits + misses
+    for r in ranked:
+        parts = " / ".join(f"{r.memory[k] / GIB:.1f}" for k in _PARTS)
+        mark = "fits" if r.fits else "does not fit"
+        chosen = "  <- plan" if best is not None and r.layout == best.layout else ""
+        lines.append(
+            f"  {r.layout.name:18s} {parts} = {r.memory['total'] / GIB:.1f}  "
+            f"{mark}, speed {r.speed:.2f}{chosen}"
+        )
+    if best is None:
+        lines.append(
+            "  plan: none fits: more GPUs, or fewer images per step (TRAIN.ACCUM_STEPS,"
+            " PARALLEL.PP_MICROBATCHES, TRAIN.BATCH_SIZE)"
+        )
+    else:
+        c = best.layout
+        lines.append(
+            f"  plan: {c.name}: PARALLEL.PP {c.pp} PARALLEL.TP {c.tp} FSDP.ENABLED "
+            f"{c.fsdp} FSDP.ACTIVATION_CHECKPOINT {c.checkpoint}"
+            + (f" PARALLEL.PP_MICROBATCHES {c.micro}" if c.pp > 1 else "")
+        )
+    return "\n".join(lines)
+
+
+def device_gib(device: torch.device, local_ranks: int) -> float:
+    """Memory one rank may use on `device`: the GPU's, or on CPU this machine's
+    memory shared by its `local_ranks` processes."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GIB
+    import psutil
+
+    return psutil.virtual_memory().total / GIB / max(local_ranks, 1)
+
+
+def auto_layout(cfg: CfgNode, gpu_gib: float) -> tuple[CfgNode, str]:
+    """PARALLEL.AUTO: (cfg with the planned PARALLEL.TP / PP, FSDP.ENABLED and
+    FSDP.ACTIVATION_CHECKPOINT, the plan's table); UserError when no layout fits.
+    Deterministic: every rank plans the same."""
+    best, rows = plan(cfg, cfg.NUM_GPUS, gpu_gib)
+    table = format_plan("PARALLEL.AUTO", cfg.NUM_GPUS, gpu_gib, best, rows)
+    if best is None:
+        raise UserError(
+            f"PARALLEL.AUTO: no layout of {cfg.NUM_GPUS} devices of {gpu_gib:.1f} GiB "
+            "fits this model and batch (python tools/plan_net.py shows the table)"
+        )
+    c = best.layout
+    planned = {
+        "PARALLEL.TP": c.tp,
+        "PARALLEL.PP": c.pp,
+        "FSDP.ENABLED": c.fsdp,
+        "FSDP.ACTIVATION_CHECKPOINT": c.checkpoint,
+        "PARALLEL.PP_MICROBATCHES": c.micro,
+        "PARALLEL.AUTO": False,  # planned once: a resumed run keeps this layout
+    }
+    return with_overrides(cfg, planned), table

@@ -1,0 +1,200 @@
+"""The checkpoint component: when to save (cadence), which checkpoints to keep
+(retention, keep-best), and what each rank's state holds (RNG, device batches)."""
+
+import json
+import os
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from pycls_fast.checkpoint import CheckpointManager, files, retention
+from pycls_fast.checkpoint.cadence import (
+    epoch_checkpoint_due,
+    iteration_checkpoint,
+    stop_checkpoint,
+)
+from pycls_fast.checkpoint.state import rng_state, set_rng_state
+from pycls_fast.config import load_cfg
+from pycls_fast.datasets.to_device.transform import DeviceBatchTransform
+from pycls_fast.engine.trainer import train_model
+from pycls_fast.launch.processes import launch
+from pycls_fast.observe.logging import load_json_stats
+from tests.helpers import DIGITS_CFG
+
+
+def test_epoch_cadence_saves_every_period_and_the_last_epoch():
+    due = [e for e in range(10) if epoch_checkpoint_due(e, 10, 3)]
+    assert due == [2, 5, 8, 9]  # epochs 3, 6, 9 and the last, 10 (1-based)
+    assert all(epoch_checkpoint_due(e, 4, 1) for e in range(4))
+
+
+def test_iteration_cadence():
+    def at(epoch, done, iters=11, max_epoch=3, epoch_period=5, iter_period=4):
+        return iteration_checkpoint(
+            epoch, done, iters, max_epoch, epoch_period, iter_period
+        )
+
+    assert [d for d in range(1, 12) if at(0, d)] == [4, 8]
+    assert at(1, 8) == (1, 8)
+    assert at(0, 8, iter_period=0) is None  # no iteration period
+    # The period lands on an epoch's last iteration: saved as the start of the next
+    # epoch when no epoch checkpoint follows, else left to the epoch checkpoint.
+    assert at(0, 12, iters=12) == (1, 0)
+    assert at(0, 12, iters=12, epoch_period=1) is None
+    assert at(2, 12, iters=12) is None  # the last epoch always has its checkpoint
+    assert at(0, 11, iters=11) is None  # 11 is not a multiple of 4
+
+
+def test_stop_saves_where_training_is():
+    assert stop_checkpoint(1, 5, 11) == (1, 5)
+    assert stop_checkpoint(1, 11, 11) == (2, 0)
+
+
+def _plant(out_dir, names):
+    folder = files.checkpoint_dir(str(out_dir))
+    os.makedirs(folder, exist_ok=True)
+    for name in names:
+        if name.endswith(".dcp"):
+            os.makedirs(os.path.join(folder, name))
+            open(os.path.join(folder, name, ".metadata"), "w").close()
+        else:
+            open(os.path.join(folder, name), "w").close()
+
+
+def _names(out_dir):
+    return [os.path.basename(p) for p in files.list_checkpoints(str(out_dir))]
+
+
+def test_retention_keeps_the_last_k_the_newest_and_the_protected(tmp_path):
+    names = [
+        "model_epoch_0001.pyth",
+        "model_epoch_0002_iter_000004.pyth",
+        "model_epoch_0002.pyth",
+        "model_epoch_0003.dcp",
+        "model_epoch_0004.dcp",
+    ]
+    _plant(tmp_path, names)
+    assert retention.apply_retention(str(tmp_path), 0) == []  # 0: keep all
+    assert _names(tmp_path) == names
+    retention.apply_retention(str(tmp_path), 2, {"model_epoch_0001.pyth"})
+    assert _names(tmp_path) == [names[0], names[3], names[4]]
+    retention.apply_retention(str(tmp_path), 1)
+    assert _names(tmp_path) == [names[4]]  # sharded directories deleted whole
+    assert os.listdir(files.checkpoint_dir(str(tmp_path))) == [names[4]]
+    assert retention.to_delete([], 1) == []
+
+
+def _manager(out_dir, keep, keep_best=True):
+    cfg = load_cfg(
+        None,
+        [
+            "OUT_DIR", str(out_dir), "TRAIN.CHECKPOINT_KEEP", str(keep),
+            "TRAIN.CHECKPOINT_KEEP_BEST", str(keep_best),
+        ],
+    )  # fmt: skip
+    return CheckpointManager(SimpleNamespace(cfg=cfg))
+
+
+def test_keep_best_points_at_the_lowest_test_error(tmp_path):
+    manager = _manager(tmp_path, keep=1)
+    for epoch, err in enumerate([50.0, 30.0, 40.0, 45.0]):
+        _plant(tmp_path, [files.checkpoint_name(epoch + 1)])
+        manager.after_eval(epoch, err)
+    assert _names(tmp_path) == ["model_epoch_0002.pyth", "model_epoch_0004.pyth"]
+    with open(retention.best_path(str(tmp_path))) as f:
+        best = json.load(f)
+    assert best == {"checkpoint": "model_epoch_0002.pyth", "epoch": 2, "top1_err": 30}
+    # A resumed run reads the pointer: a better epoch takes over, the old best goes.
+    manager = _manager(tmp_path, keep=1)
+    _plant(tmp_path, ["model_epoch_0005.pyth"])
+    manager.after_eval(4, 20.0)
+    assert _names(tmp_path) == ["model_epoch_0005.pyth"]
+    assert retention.read_best(str(tmp_path))["epoch"] == 5
+    # An evaluation of weights that were not saved changes nothing.
+    manager.after_eval(5, 1.0)
+    assert retention.read_best(str(tmp_path))["epoch"] == 5
+
+
+def test_without_keep_best_there_is_no_pointer(tmp_path):
+    manager = _manager(tmp_path, keep=1, keep_best=False)
+    _plant(tmp_path, ["model_epoch_0001.pyth"])
+    manager.after_eval(0, 10.0)
+    assert not os.path.exists(retention.best_path(str(tmp_path)))
+
+
+def _cfg(digits, out_dir, *opts):
+    return load_cfg(
+        DIGITS_CFG,
+        [
+            "DATA.PATH", digits, "OUT_DIR", str(out_dir),
+            "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
+            "VIT.NUM_LAYERS", "1", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
+            "TRAIN.BATCH_SIZE", "128", "TEST.BATCH_SIZE", "200",
+            "OPTIM.WARMUP_EPOCHS", "0", "OPTIM.BASE_LR", "0.005",
+            "LOG_PERIOD", "5", "DATA_LOADER.NUM_WORKERS", "1",
+            *opts,
+        ],
+    )  # fmt: skip
+
+
+def _best_of_log(out_dir):
+    tests = [
+        r for r in load_json_stats(str(out_dir / "stdout.log"))
+        if r["_type"] == "test_epoch"
+    ]  # fmt: skip
+    return min(tests, key=lambda r: r["top1_err"])
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_training_keeps_the_last_and_the_best(digits, tmp_path, fsdp):
+    suffix = ".dcp" if fsdp else ".pyth"
+    cfg = _cfg(
+        digits, tmp_path, "OPTIM.MAX_EPOCH", "3", "TRAIN.CHECKPOINT_ITER_PERIOD", "5",
+        "TRAIN.CHECKPOINT_PERIOD", "1", "TRAIN.CHECKPOINT_KEEP", "2",
+        "TRAIN.CHECKPOINT_KEEP_BEST", "True",
+        "FSDP.ENABLED", str(fsdp),
+    )  # fmt: skip
+    launch(train_model, cfg) if fsdp else train_model(cfg)
+    best = retention.read_best(str(tmp_path))
+    logged = _best_of_log(tmp_path)
+    assert best["top1_err"] == pytest.approx(logged["top1_err"], abs=1e-3)
+    assert best["checkpoint"] == f"model_epoch_{best['epoch']:04d}{suffix}"
+    names = _names(tmp_path)
+    assert names[-2:] == [
+        f"model_epoch_0003_iter_000010{suffix}",
+        f"model_epoch_0003{suffix}",
+    ]
+    assert set(names) == set(names[-2:]) | {best["checkpoint"]}
+    assert ".tmp" not in "".join(os.listdir(files.checkpoint_dir(str(tmp_path))))
+
+
+def test_rng_state_is_plain_values_and_own_device_only():
+    state = rng_state(torch.device("cpu"))
+    assert state["cuda"] is None  # off CUDA nothing is saved for a device
+    assert isinstance(state["torch"], torch.Tensor)
+    assert all(isinstance(k, int) for k in state["numpy"][1])
+    draws = (torch.rand(2), np.random.rand(2), random.random())
+    set_rng_state(state)
+    again = (torch.rand(2), np.random.rand(2), random.random())
+    assert torch.equal(draws[0], again[0]) and np.array_equal(draws[1], again[1])
+    assert draws[2] == again[2]
+    # A state saved on a CUDA device, or one without a CUDA field, loads on a CPU.
+    state["cuda"] = torch.zeros(16, dtype=torch.uint8)
+    set_rng_state(state, torch.device("cpu"))
+    del state["cuda"]
+    set_rng_state(state, torch.device("cpu"))
+    set_rng_state(state, torch.device("cuda", 3))  # no such device: no traceback
+
+
+def test_device_batch_transform_state_round_trips():
+    cfg = load_cfg(None, ["TRAIN.MIXUP_ALPHA", "0.2", "TRAIN.PCA_STD", "0.1"])
+    prep = DeviceBatchTransform(cfg, torch.device("cpu"))
+    state = prep.state_dict()
+    first = (prep.rng.random(), torch.rand(2, generator=prep.generator))
+    other = DeviceBatchTransform(cfg, torch.device("cpu"), rank=1)
+    other.load_state_dict(state)
+    second = (other.rng.random(), torch.rand(2, generator=other.generator))
+    assert first[0] == second[0] and torch.equal(first[1], second[1])

@@ -1,0 +1,59 @@
+"""TRAIN.ACCUM_STEPS: a step in micro-batches is the step of the whole batch."""
+
+import pytest
+import torch
+
+from pycls_fast.engine import timing
+from pycls_fast.engine.trainer import build_components, seed_everything, train_step
+from pycls_fast.errors import ConfigError
+from tests.helpers import tiny_cfg
+
+
+def _steps(*opts, steps=3, soft=False):
+    # SGD: the update is linear in the gradient, so the weights compare as closely
+    # as the gradients (Adam's normalization blows up differences of ~0 gradients).
+    cfg = tiny_cfg(
+        "TRAIN.BATCH_SIZE", "16", "OPTIM.OPTIMIZER", "sgd", "OPTIM.BASE_LR", "0.5",
+        "OPTIM.MOMENTUM", "0.9", "OPTIM.GRAD_CLIP", "1.0", *opts,
+    )  # fmt: skip
+    seed_everything(0)
+    parts = build_components(cfg, loaders=False)
+    inputs, targets = timing.synthetic_batch(parts, 16, cfg.TRAIN.IM_SIZE)
+    if soft:  # mixup-like soft targets
+        targets = torch.softmax(torch.randn(16, 10, generator=torch.Generator()), 1)
+    losses, logits = [], None
+    for _ in range(steps):
+        loss, logits, _ = train_step(parts, inputs, targets)
+        losses.append(loss.item())
+    return losses, logits, parts.model.state_dict()
+
+
+@pytest.mark.parametrize("soft", [False, True])
+@pytest.mark.parametrize("loss", ["ce", "bce"])
+def test_micro_batches_give_the_whole_batch_step(soft, loss):
+    whole, whole_logits, whole_state = _steps("TRAIN.LOSS", loss, soft=soft)
+    for accum in ("2", "4"):
+        losses, logits, state = _steps(
+            "TRAIN.LOSS", loss, "TRAIN.ACCUM_STEPS", accum, soft=soft
+        )
+        # The same loss and logits of the batch, the same weights after the steps,
+        # up to the order of floating-point sums.
+        assert losses == pytest.approx(whole, rel=1e-5)
+        torch.testing.assert_close(logits, whole_logits, rtol=1e-4, atol=1e-5)
+        for key, value in state.items():
+            torch.testing.assert_close(value, whole_state[key], rtol=1e-4, atol=1e-6)
+
+
+def test_micro_batches_under_fp16_loss_scaling_match():
+    # fp16 matmuls sum the batch's gradients in another order: fp16 tolerances.
+    whole, _, whole_state = _steps("AMP.MODE", "O1", "AMP.DTYPE", "fp16")
+    losses, _, state = _steps("AMP.MODE", "O1", "AMP.DTYPE", "fp16",
+                              "TRAIN.ACCUM_STEPS", "2")  # fmt: skip
+    assert losses == pytest.approx(whole, rel=1e-3)
+    for key, value in state.items():
+        torch.testing.assert_close(value, whole_state[key], rtol=1e-2, atol=5e-4)
+
+
+def test_accum_steps_must_divide_each_process_batch():
+    with pytest.raises(ConfigError, match="TRAIN.ACCUM_STEPS \\(3\\) must divide"):
+        tiny_cfg("TRAIN.BATCH_SIZE", "16", "TRAIN.ACCUM_STEPS", "3")

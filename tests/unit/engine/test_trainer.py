@@ -1,0 +1,229 @@
+"""The training loop end to end on the digits folder: learning, logs, checkpoints,
+exact resume, test_net, and the errors a user can cause."""
+
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from pycls_fast import checkpoint as ckpt
+from pycls_fast.components.optimizer import lr_at, set_lr
+from pycls_fast.config import load_cfg
+from pycls_fast.datasets.to_device.prefetch import DevicePrefetcher
+from pycls_fast.engine.trainer import (
+    NonFiniteLossError,
+    build_components,
+    seed_everything,
+    train_epoch,
+    train_model,
+    train_step,
+)
+from pycls_fast.observe.logging import load_json_stats
+from tests.helpers import DIGITS_CFG, ROOT
+
+TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
+
+
+def _cfg(digits, out_dir, *opts):
+    """The demo config, shrunk: 16 px digits, 4 px patches, 2 blocks of width 32."""
+    return load_cfg(
+        DIGITS_CFG,
+        [
+            "DATA.PATH", digits, "OUT_DIR", str(out_dir),
+            "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
+            "VIT.NUM_LAYERS", "2", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
+            "TRAIN.BATCH_SIZE", "128", "TEST.BATCH_SIZE", "200",
+            "OPTIM.MAX_EPOCH", "3", "OPTIM.WARMUP_EPOCHS", "1",
+            "OPTIM.BASE_LR", "0.005", "TRAIN.CHECKPOINT_PERIOD", "1",
+            "LOG_PERIOD", "5", "DATA_LOADER.NUM_WORKERS", "2",
+            *opts,
+        ],
+    )  # fmt: skip
+
+
+def test_trains_logs_and_checkpoints(digits, tmp_path):
+    cfg = _cfg(
+        digits, tmp_path, "OPTIM.EMA_ALPHA", "1e-4", "OPTIM.EMA_UPDATE_PERIOD", "2"
+    )
+    results = train_model(cfg)
+    records = load_json_stats(tmp_path / "stdout.log")
+    kinds = [r["_type"] for r in records]
+    assert kinds.count("train_epoch") == 3 and kinds.count("test_epoch") == 3
+    assert kinds.count("test_ema_epoch") == 3 and "train_iter" in kinds
+    epochs = [r for r in records if r["_type"] == "train_epoch"]
+    for key in ("epoch", "top1_err", "top5_err", "loss", "lr", "img_per_s",
+                "data_wait_frac", "time_epoch_s", "mem_mb"):  # fmt: skip
+        assert key in epochs[0], key
+    assert epochs[-1]["loss"] < epochs[0]["loss"]
+    tests = [r for r in records if r["_type"] == "test_epoch"]
+    assert tests[-1]["images"] == 359  # every val image once
+    assert results["test"]["top1_err"] < 90.0  # better than chance after 3 epochs
+    assert os.path.isfile(tmp_path / "config.yaml")
+    names = [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path))]
+    assert names == [
+        "model_epoch_0001.pyth",
+        "model_epoch_0002.pyth",
+        "model_epoch_0003.pyth",
+    ]
+    state = torch.load(
+        tmp_path / "checkpoints/model_epoch_0003.pyth", weights_only=False
+    )
+    assert {"model_state", "optimizer_state", "ema_state", "rng_state"} <= set(state)
+
+
+def test_iteration_period_ending_an_epoch_checkpoints_it(digits, tmp_path):
+    # 11 iterations an epoch; no epoch checkpoint is due after the first: the
+    # iteration period still saves its last iteration (as the start of epoch 2).
+    cfg = _cfg(
+        digits, tmp_path, "OPTIM.MAX_EPOCH", "2", "TRAIN.CHECKPOINT_PERIOD", "5",
+        "TRAIN.CHECKPOINT_ITER_PERIOD", "11",
+    )  # fmt: skip
+    train_model(cfg)
+    names = [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path))]
+    assert names == ["model_epoch_0001.pyth", "model_epoch_0002.pyth"]
+    state = torch.load(tmp_path / "checkpoints" / names[0], weights_only=False)
+    assert (state["epoch"], state["iter"]) == (1, 0)
+
+
+# "deit": fp32 with DeiT III's data pieces (simple random crop, 3-Augment, colour
+# jitter, random erasing, repeated augmentation), which must resume as exactly.
+DEIT_DATA = ["DATA.TRAIN_CROP", "simple_random", "TRAIN.THREE_AUGMENT", "True",
+             "TRAIN.COLOR_JITTER", "0.3", "TRAIN.RANDOM_ERASE", "0.25",
+             "TRAIN.REPEATED_AUG", "3"]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["fp32", "O1", "deit"])
+def test_resume_mid_epoch_ends_with_identical_weights(digits, tmp_path, mode):
+    extra = DEIT_DATA if mode == "deit" else []
+    mode = "fp32" if mode == "deit" else mode
+    opts = ["AMP.MODE", mode, "TRAIN.MIXED_PRECISION", str(mode == "O1"),
+            "TRAIN.CHECKPOINT_ITER_PERIOD", "4", "TRAIN.MIXUP_ALPHA",
+            "0.2", "TRAIN.LABEL_SMOOTHING", "0.1", "VIT.DROP_PATH", "0.1",
+            *extra]  # fmt: skip
+    full = tmp_path / "full"
+    train_model(_cfg(digits, full, *opts))
+    # A crash right after the checkpoint 4 iterations into epoch 2: later files gone.
+    crashed = tmp_path / "crashed"
+    shutil.copytree(full, crashed)
+    paths = ckpt.list_checkpoints(str(crashed))  # oldest first
+    names = [os.path.basename(p) for p in paths]
+    keep = names.index("model_epoch_0002_iter_000004.pyth")
+    assert names[keep - 1 : keep + 2] == [
+        "model_epoch_0001.pyth",
+        "model_epoch_0002_iter_000004.pyth",
+        "model_epoch_0002_iter_000008.pyth",
+    ]
+    for path in paths[keep + 1 :]:
+        os.remove(path)
+    assert ckpt.last_checkpoint(str(crashed)).endswith(
+        "model_epoch_0002_iter_000004.pyth"
+    )
+    train_model(_cfg(digits, crashed, *opts))
+    a = torch.load(full / "checkpoints/model_epoch_0003.pyth", weights_only=False)
+    b = torch.load(crashed / "checkpoints/model_epoch_0003.pyth", weights_only=False)
+    for key in a["model_state"]:
+        assert torch.equal(a["model_state"][key], b["model_state"][key]), key
+    assert "resumed from" in (crashed / "stdout.log").read_text()
+    # The resumed epoch reports the whole epoch, as the uninterrupted run did (the
+    # crashed log holds the full run's records first, the resumed ones last).
+    full_epoch, resumed_epoch = (
+        [r for r in load_json_stats(str(d / "stdout.log"))
+         if r["_type"] == "train_epoch" and r["epoch"] == "2/3"][-1]
+        for d in (full, crashed)
+    )  # fmt: skip
+    for key in ("loss", "top1_err", "top5_err"):
+        assert resumed_epoch[key] == pytest.approx(full_epoch[key], rel=1e-6), key
+
+
+def test_non_finite_loss_stops_with_a_hint(digits, tmp_path):
+    cfg = _cfg(digits, tmp_path, "OPTIM.BASE_LR", "1e30", "OPTIM.WARMUP_EPOCHS", "0")
+    with pytest.raises(NonFiniteLossError, match="lower OPTIM.BASE_LR"):
+        train_model(cfg)
+
+
+def test_grad_clip_bounds_the_update(digits, tmp_path):
+    from pycls_fast.engine.trainer import build_components, train_step
+
+    cfg = _cfg(
+        digits, tmp_path, "OPTIM.GRAD_CLIP", "1e-3", "OPTIM.OPTIMIZER", "sgd",
+        "OPTIM.MOMENTUM", "0.0", "OPTIM.NESTEROV", "False", "OPTIM.BASE_LR", "1.0",
+        "OPTIM.WEIGHT_DECAY", "0.0", "AMP.MODE", "fp32",
+        "TRAIN.MIXED_PRECISION", "False",
+    )  # fmt: skip
+    parts = build_components(cfg, loaders=False)
+    torch.nn.init.normal_(parts.trained.head.head_fc.weight)
+    before = [p.detach().clone() for p in parts.trained.parameters()]
+    images = torch.randn(8, 3, 16, 16)
+    train_step(parts, images, torch.arange(8))
+    moved = [
+        (p.detach() - b).flatten() for p, b in zip(parts.trained.parameters(), before)
+    ]
+    # plain SGD, lr 1: the step is the clipped gradient, of global norm 1e-3
+    assert torch.cat(moved).norm().item() == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_bad_checkpoints_stop_the_run_and_keep_what_was_written(digits, tmp_path):
+    train_model(_cfg(digits, tmp_path, "OPTIM.MAX_EPOCH", "1"))
+    config_before = (tmp_path / "config.yaml").read_text()
+    last = tmp_path / "checkpoints" / "model_epoch_0001.pyth"
+    saved = last.read_bytes()
+    # Another model in the same OUT_DIR: refused, nothing overwritten.
+    with pytest.raises(ckpt.CheckpointError, match="does not fit this model"):
+        train_model(
+            _cfg(digits, tmp_path, "OPTIM.MAX_EPOCH", "2", "VIT.HIDDEN_DIM", "48")
+        )
+    assert last.read_bytes() == saved
+    assert (tmp_path / "config.yaml").read_text() == config_before
+    # A truncated file: one clear error naming it.
+    last.write_bytes(saved[: len(saved) // 2])
+    with pytest.raises(ckpt.CheckpointError, match="cannot read checkpoint .*0001"):
+        train_model(_cfg(digits, tmp_path, "OPTIM.MAX_EPOCH", "2"))
+
+
+class _WithEmptyBatch:
+    """A train loader whose second batch lost all its images to decoding errors."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def set_epoch(self, epoch, start_batch=0):
+        self.loader.set_epoch(epoch, start_batch)
+
+    def __len__(self):
+        return 3
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        first, third = next(batches), next(batches)
+        batches.close()
+        empty = (first[0][:0], first[1][:0])
+        return iter([first, empty, third])
+
+    def stats(self):
+        return self.loader.stats()
+
+
+def test_a_batch_of_only_bad_images_is_skipped(digits, tmp_path):
+    cfg = _cfg(digits, tmp_path, "AMP.MODE", "fp32", "TRAIN.MIXED_PRECISION", "False")
+    seed_everything(0)
+    with_empty = build_components(cfg, loaders=("train",))
+    with_empty.train_loader = _WithEmptyBatch(with_empty.train_loader)
+    with_empty.train_batches = DevicePrefetcher(
+        with_empty.train_loader, with_empty.train_prep
+    )
+    record = train_epoch(with_empty, 0)
+    assert math.isfinite(record["loss"]) and record["loss"] > 0
+    # The same two real batches, at the learning rates of iterations 1 and 3, without
+    # the empty one: the same weights exactly.
+    seed_everything(0)
+    plain = build_components(cfg, loaders=("train",))
+    batches = iter(plain.train_loader)
+    for it in (0, 2):
+        images, labels = next(batches)
+        set_lr(plain.optimizer, lr_at(cfg, it / 3))
+        inputs, targets = plain.train_prep(images, labels)
+        train_step(plain, inputs, targets)
+    for a, b in zip(with_empty.model.parameters(), plain.model.parameters()):
+        assert torch.equal(a, b)

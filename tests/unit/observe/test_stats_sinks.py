@@ -1,0 +1,98 @@
+"""OUT_DIR/epoch_stats.csv and TensorBoard scalars hold the json_stats records."""
+
+import csv
+import glob
+import os
+
+import pytest
+
+from pycls_fast.config import load_cfg
+from pycls_fast.engine.trainer import train_model
+from pycls_fast.observe.logging import load_json_stats
+from pycls_fast.observe.stats_sinks import CSV_COLUMNS, EPOCH_TYPES
+from tests.helpers import DIGITS_CFG
+
+
+def _cfg(digits, out_dir, *opts):
+    return load_cfg(
+        DIGITS_CFG,
+        [
+            "DATA.PATH", digits, "OUT_DIR", str(out_dir),
+            "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "VIT.NUM_LAYERS", "1",
+            "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64", "TRAIN.BATCH_SIZE", "128",
+            "TEST.BATCH_SIZE", "200", "OPTIM.MAX_EPOCH", "2", "LOG_PERIOD", "4",
+            "OPTIM.EMA_ALPHA", "1e-4", "DATA_LOADER.NUM_WORKERS", "1", *opts,
+        ],
+    )  # fmt: skip
+
+
+def _csv_rows(out_dir):
+    with open(os.path.join(out_dir, "epoch_stats.csv"), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _same(row, record):
+    for key in CSV_COLUMNS:
+        if key in record:
+            want = record[key]
+            got = row[key]
+            if isinstance(want, float):
+                assert float(got) == pytest.approx(want, rel=1e-9), key
+            else:
+                assert got == str(want), key
+
+
+def test_tensorboard_scalars_and_csv_rows_equal_the_json_stats(digits, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import (
+        EventAccumulator,
+    )
+
+    train_model(_cfg(digits, tmp_path, "LOG_TENSORBOARD", "True"))
+    records = load_json_stats(tmp_path / "stdout.log")
+    epochs = [r for r in records if r["_type"] in EPOCH_TYPES]
+    assert len(epochs) == 6  # train, test, test EMA x 2 epochs
+    rows = _csv_rows(tmp_path)
+    assert [(r["_type"], r["epoch"]) for r in rows] == [
+        (r["_type"], r["epoch"]) for r in epochs
+    ]
+    for row, record in zip(rows, epochs):
+        _same(row, record)
+
+    (events,) = glob.glob(str(tmp_path / "tb_log" / "events.out.tfevents.*"))
+    acc = EventAccumulator(events)
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for kind in ("train_iter", "train_epoch", "test_epoch", "test_ema_epoch"):
+        assert f"{kind}/loss" in tags and f"{kind}/top1_err" in tags
+    assert "train_iter/lr" in tags and "train_epoch/img_per_s" in tags
+    iters = [r for r in records if r["_type"] == "train_iter"]
+    steps_per_epoch = int(iters[0]["iter"].split("/")[1])
+    logged = {
+        (int(r["epoch"].split("/")[0]) - 1) * steps_per_epoch
+        + int(r["iter"].split("/")[0]): r["loss"]
+        for r in iters
+    }
+    scalars = {e.step: e.value for e in acc.Scalars("train_iter/loss")}
+    assert scalars.keys() == logged.keys()
+    for step, value in logged.items():
+        assert scalars[step] == pytest.approx(value, rel=1e-6)  # float32 in the file
+    tests = {int(r["epoch"].split("/")[0]): r["top1_err"] for r in records
+             if r["_type"] == "test_epoch"}  # fmt: skip
+    got = {e.step: e.value for e in acc.Scalars("test_epoch/top1_err")}
+    assert got.keys() == tests.keys()
+    assert all(got[k] == pytest.approx(v, rel=1e-6) for k, v in tests.items())
+
+
+def test_a_resumed_run_does_not_duplicate_csv_rows(digits, tmp_path):
+    train_model(_cfg(digits, tmp_path))
+    first = _csv_rows(tmp_path)
+    # The last epoch again (its checkpoint removed, as after a crash before it).
+    os.remove(tmp_path / "checkpoints" / "model_epoch_0002.pyth")
+    train_model(_cfg(digits, tmp_path))
+    again = _csv_rows(tmp_path)
+    assert [(r["_type"], r["epoch"]) for r in again] == [
+        (r["_type"], r["epoch"]) for r in first
+    ]
+    records = load_json_stats(tmp_path / "stdout.log")
+    last = [r for r in records if r["_type"] == "train_epoch"][-1]
+    _same(again[-3], last)  # the rewritten row holds the rerun epoch's values

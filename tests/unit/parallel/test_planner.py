@@ -1,0 +1,105 @@
+"""The planner's choices: the fastest layout that fits, FSDP's and TP's shares,
+pipeline stages, activation checkpointing's savings, none when nothing fits, and
+PARALLEL.AUTO's config."""
+
+import pytest
+
+from pycls_fast.errors import UserError
+from pycls_fast.parallel.planner import (
+    GIB,
+    HALF_TOKENS,
+    Candidate,
+    auto_layout,
+    candidates,
+    per_rank_memory,
+    plan,
+    predicted_speed,
+)
+from tests.helpers import tiny_cfg
+
+
+def test_fsdp_shards_the_state_and_checkpointing_the_activations():
+    cfg = tiny_cfg("TRAIN.BATCH_SIZE", "64", "OPTIM.OPTIMIZER", "adamw")
+    ddp = per_rank_memory(cfg, Candidate(dp=4))
+    fsdp = per_rank_memory(cfg, Candidate(dp=4, fsdp=True))
+    ac = per_rank_memory(cfg, Candidate(dp=4, fsdp=True, checkpoint=True))
+    assert ddp["optimizer"] == 2 * ddp["params"]  # Adam: two fp32 moments
+    assert fsdp["params"] < 0.3 * ddp["params"]  # about a quarter, chunks rounded up
+    assert fsdp["gathered"] > 0 and ddp["gathered"] == 0
+    assert ac["activations"] < fsdp["activations"]
+    assert ddp["activations"] == fsdp["activations"]
+    half = per_rank_memory(cfg, Candidate(dp=8))["activations"]
+    assert half * 2 == ddp["activations"]
+
+
+def test_tensor_and_pipeline_parallelism_split_the_blocks():
+    cfg = tiny_cfg("TRAIN.BATCH_SIZE", "64", "VIT.NUM_LAYERS", "4")
+    one = per_rank_memory(cfg, Candidate())
+    tp = per_rank_memory(cfg, Candidate(tp=2))
+    pp = per_rank_memory(cfg, Candidate(pp=2, micro=4))
+    # TP halves the four block matmuls (most of a block), not the rest.
+    assert 0.5 * one["params"] < tp["params"] < 0.75 * one["params"]
+    assert tp["activations"] < one["activations"]
+    # PP: the heavier stage holds about half the blocks, and the stem or the head.
+    assert 0.4 * one["params"] < pp["params"] < 0.75 * one["params"]
+
+    # The bubble: 2 stages, 4 micro-batches -> 4 / 5; interleaved -> 4 / 4.5; and
+    # micro-batches a quarter of the batch run smaller matmuls.
+    def matmul(images):
+        tokens = images * 17  # 32 px, 8 px patches, and the class token
+        return tokens / (tokens + HALF_TOKENS)
+
+    pp = per_rank_memory(cfg, Candidate(pp=2, micro=4))
+    assert predicted_speed(cfg, Candidate(pp=2, micro=4)) == pytest.approx(
+        0.8 * matmul(16)
+    )
+    cfg_i = tiny_cfg("TRAIN.BATCH_SIZE", "64", "PARALLEL.PP_SCHEDULE", "interleaved",
+                     "VIT.NUM_LAYERS", "4")  # fmt: skip
+    assert predicted_speed(cfg_i, Candidate(pp=2, micro=4)) == pytest.approx(
+        4 / 4.5 * matmul(16)
+    )
+    assert predicted_speed(cfg, Candidate()) == pytest.approx(matmul(64))
+    assert predicted_speed(cfg, Candidate(tp=2)) < predicted_speed(cfg, Candidate())
+    # 1F1B keeps at most PP micro-batches in flight: more of them, less memory.
+    more = per_rank_memory(cfg, Candidate(pp=2, micro=8))
+    assert more["activations"] < pp["activations"]
+
+
+def test_candidates_respect_what_the_config_checks():
+    cfg = tiny_cfg("TRAIN.BATCH_SIZE", "64", "VIT.NUM_LAYERS", "4")
+    layouts = candidates(cfg, 8)
+    assert (
+        Candidate(dp=8) in layouts
+        and Candidate(pp=2, dp=2, tp=2, fsdp=True, micro=4) in layouts
+    )
+    for c in layouts:
+        assert c.pp * c.dp * c.tp == 8 and c.pp <= 4
+        assert cfg.VIT.NUM_HEADS % c.tp == 0
+        assert c.fsdp or c.tp == 1 or c.dp == 1
+
+
+def test_the_fastest_layout_that_fits_is_chosen():
+    cfg = tiny_cfg("TRAIN.BATCH_SIZE", "64")
+    rows = {r.layout.name: r for r in plan(cfg, 2, 80)[1]}
+    assert plan(cfg, 2, 80)[0].layout == Candidate(dp=2)  # everything fits
+    tight = (rows["fsdp2+ac"].memory["total"] + 1) / (0.9 * GIB)
+    best, _ = plan(cfg, 2, tight)
+    assert best.layout.checkpoint or best.layout.tp > 1 or best.layout.pp > 1
+    assert best.memory["total"] <= 0.9 * tight * GIB
+    smallest = min(r.memory["total"] for r in rows.values())
+    best, _ = plan(cfg, 2, smallest / (0.9 * GIB) / 2)
+    assert best is None
+
+
+def test_auto_layout_writes_the_plan_into_the_config():
+    cfg = tiny_cfg("TRAIN.BATCH_SIZE", "64", "NUM_GPUS", "2", "PARALLEL.AUTO", "True")
+    planned, table = auto_layout(cfg, 80)
+    assert (planned.PARALLEL.TP, planned.PARALLEL.PP) == (1, 1)
+    assert not planned.FSDP.ENABLED and not planned.PARALLEL.AUTO
+    assert "<- plan" in table
+    rows = {r.layout.name: r for r in plan(cfg, 2, 80)[1]}
+    tight = rows["fsdp1xtp2+ac"].memory["total"] / (0.9 * GIB) * 1.001
+    planned, _ = auto_layout(cfg, tight)
+    assert planned.PARALLEL.TP * planned.PARALLEL.PP > 1 or planned.FSDP.ENABLED
+    with pytest.raises(UserError, match="PARALLEL.AUTO: no layout of 2 devices"):
+        auto_layout(cfg, 1e-6)
