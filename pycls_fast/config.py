@@ -404,8 +404,10 @@ _key("LN.CUSTOM_WEIGHT_DECAY", 0.0)
 # -------------------------------- Optimizer options --------------------------------- #
 _C.OPTIM = CfgNode()
 
-# Optimizer: 'sgd', 'adam', 'adamw' or 'lamb'
-_key("OPTIM.OPTIMIZER", "sgd", choices=["sgd", "adam", "adamw", "lamb"])
+# Optimizer: 'sgd', 'adam', 'adamw' (torch's, fused with OPTIM.MTA), or any optimizer
+# of timm's optimizer factory ('lamb', 'lars', 'lion', 'adan', 'nadamw', ...:
+# timm.optim.list_optimizers()), built by the factory over the same parameter groups
+_key("OPTIM.OPTIMIZER", "sgd")
 
 # Base learning rate
 _key("OPTIM.BASE_LR", 0.1, ge=0)
@@ -451,6 +453,11 @@ _key("OPTIM.BIAS_USE_CUSTOM_WEIGHT_DECAY", False)
 
 # The weight decay for biases when BIAS_USE_CUSTOM_WEIGHT_DECAY is on
 _key("OPTIM.BIAS_CUSTOM_WEIGHT_DECAY", 0.0)
+
+# pycls_fast: no weight decay on the position embedding and the class and
+# distillation tokens (timm's VisionTransformer.no_weight_decay, which DeiT and DeiT
+# III train with); False decays them as pycls does
+_key("OPTIM.NO_DECAY_TOKENS", False)
 
 # Start the warm up from BASE_LR * WARMUP_FACTOR
 _key("OPTIM.WARMUP_FACTOR", 0.1)
@@ -570,8 +577,15 @@ _key("TRAIN.CUTMIX_ALPHA", 0.0, ge=0)
 # Standard deviation of AlexNet-style PCA lighting jitter (0 gives none)
 _key("TRAIN.PCA_STD", 0.1, ge=0)
 
-# Data augmentation ('', 'AutoAugment', 'RandAugment_N2_M0.5', ...)
+# Data augmentation: a timm augmentation string through timm's own factories
+# ('rand-m9-mstd0.5-inc1' as DeiT, 'augmix-m5-w4-d2', 'original', ...), or pycls's
+# 'AutoAugment', 'RandAugment_N2_M0.5' ('' = none)
 _key("TRAIN.AUGMENT", "")
+
+# pycls_fast: interpolation of TRAIN.AUGMENT's geometric ops (timm's aa_params):
+# 'random' (one of bilinear / bicubic per op, timm's default), 'bicubic' (DeiT's
+# --train-interpolation) or 'bilinear'
+_key("TRAIN.AUGMENT_INTERPOLATION", "random", choices=["random", "bicubic", "bilinear"])
 
 # pycls_fast: repeated augmentation (DeiT's RASampler): each image this many times
 # in a row of the epoch's order, each copy with its own augmentation, the epoch as
@@ -1284,6 +1298,7 @@ def check_cfg(cfg: CfgNode) -> None:
     if cfg.OPTIM.LR_POLICY == "steps" and not cfg.OPTIM.STEPS:
         raise ConfigError("OPTIM.STEPS must be set when OPTIM.LR_POLICY is 'steps'")
     _check_parallel(cfg)
+    _check_optimizer(cfg)
     # Batches are split among the data-parallel ranks (NUM_GPUS without TP or PP).
     dp = cfg.NUM_GPUS // (cfg.PARALLEL.TP * cfg.PARALLEL.PP)
     ranks = f"NUM_GPUS ({cfg.NUM_GPUS})" if dp == cfg.NUM_GPUS else f"DP ({dp})"
@@ -1307,6 +1322,26 @@ def check_cfg(cfg: CfgNode) -> None:
         raise ConfigError(
             f"TRAIN.ACCUM_STEPS ({cfg.TRAIN.ACCUM_STEPS}) must divide each process's "
             f"batch (TRAIN.BATCH_SIZE / {ranks.split(' ')[0]} = {per_rank})"
+        )
+
+
+# Built with torch's own classes (components/optimizer.py); any other OPTIM.OPTIMIZER
+# goes through timm's optimizer factory.
+TORCH_OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+def _check_optimizer(cfg: CfgNode) -> None:
+    name = cfg.OPTIM.OPTIMIZER
+    if name in TORCH_OPTIMIZERS:
+        return
+    from timm.optim import list_optimizers
+
+    timm_names = list_optimizers()
+    if name not in timm_names:
+        hint = _suggest(name, [*TORCH_OPTIMIZERS, *timm_names])
+        raise ConfigError(
+            f"OPTIM.OPTIMIZER must be 'sgd', 'adam', 'adamw' or one of timm's "
+            f"optimizers (timm.optim.list_optimizers()), got {name!r}{hint}"
         )
 
 

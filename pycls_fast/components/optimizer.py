@@ -10,6 +10,7 @@ parameters (the baseline).
 learning rate moves every iteration (OPTIM.LR_PER_ITER; pycls updates once per epoch).
 """
 
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,10 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from yacs.config import CfgNode
 
 from pycls_fast.models.vit import LayerScale
+
+# The ViT's parameters that timm's VisionTransformer.no_weight_decay() names
+# ('pos_embed', 'cls_token', 'dist_token') under our names.
+NO_DECAY_TOKENS = ("pos_embedding", "class_token", "dist_token")
 
 
 def layer_id(name: str, num_layers: int) -> int:
@@ -43,9 +48,10 @@ def param_groups(model: nn.Module, cfg: CfgNode) -> list[dict[str, Any]]:
     Returns a list of {"params": [...], "weight_decay": wd, "lr_scale": s, "name":
     ...}: BN and LN parameters use BN/LN.CUSTOM_WEIGHT_DECAY when enabled (LayerScale
     gammas count as LN: per-channel scales, undecayed in DeiT III), other biases use
-    OPTIM.BIAS_CUSTOM_WEIGHT_DECAY when enabled, the rest (class token and position
-    embeddings included, as in pycls) OPTIM.WEIGHT_DECAY. With OPTIM.LAYER_DECAY
-    d < 1 each group is split by depth (`layer_id`), with
+    OPTIM.BIAS_CUSTOM_WEIGHT_DECAY when enabled, the position embedding and the class
+    and distillation tokens none with OPTIM.NO_DECAY_TOKENS (timm's no_weight_decay),
+    the rest (those included otherwise, as in pycls) OPTIM.WEIGHT_DECAY. With
+    OPTIM.LAYER_DECAY d < 1 each group is split by depth (`layer_id`), with
     lr_scale = d ** (num_layers + 1 - depth); `set_lr` applies it.
     """
     wd = cfg.OPTIM.WEIGHT_DECAY
@@ -56,9 +62,11 @@ def param_groups(model: nn.Module, cfg: CfgNode) -> list[dict[str, Any]]:
             cfg.OPTIM.BIAS_USE_CUSTOM_WEIGHT_DECAY,
             cfg.OPTIM.BIAS_CUSTOM_WEIGHT_DECAY,
         ),
+        "token": (cfg.OPTIM.NO_DECAY_TOKENS, 0.0),
     }
     decay = cfg.OPTIM.LAYER_DECAY
     num_layers = cfg.VIT.NUM_LAYERS
+    no_decay_tokens = cfg.OPTIM.NO_DECAY_TOKENS
     groups = {}  # (kind, depth) -> params, in the model's order
     for prefix, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
@@ -72,12 +80,14 @@ def param_groups(model: nn.Module, cfg: CfgNode) -> list[dict[str, Any]]:
                 kind = "ln"
             elif name == "bias":
                 kind = "bias"
+            elif no_decay_tokens and not prefix and name in NO_DECAY_TOKENS:
+                kind = "token"
             else:
                 kind = "weights"
             full = f"{prefix}.{name}" if prefix else name
             depth = layer_id(full, num_layers) if decay < 1 else num_layers + 1
             groups.setdefault((kind, depth), []).append(p)
-    order = {"bn": 0, "ln": 1, "bias": 2, "weights": 3}
+    order = {"bn": 0, "ln": 1, "bias": 2, "token": 3, "weights": 4}
     out = []
     for (kind, depth), params in sorted(
         groups.items(), key=lambda g: (order[g[0][0]], g[0][1])
@@ -154,15 +164,34 @@ def construct_optimizer(
     elif name in ("adam", "adamw"):
         cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
         kwargs = {"betas": (o.BETA1, o.BETA2)}
-    elif name == "lamb":
-        from timm.optim import Lamb
-
-        # timm's LAMB updates parameter by parameter; OPTIM.MTA does not change it.
-        return Lamb(groups, lr=o.BASE_LR, betas=(o.BETA1, o.BETA2))
     else:
-        raise ValueError(f"unknown OPTIM.OPTIMIZER {name!r}")
+        return _timm_optimizer(groups, cfg)
     flags = _multi_tensor_kwargs(o.MTA, groups)
     return cls(groups, lr=o.BASE_LR, **kwargs, **flags)
+
+
+def _timm_optimizer(groups, cfg):
+    """OPTIM.OPTIMIZER through timm's optimizer factory over our parameter groups
+    (their weight decay and lr_scale kept): OPTIM.MOMENTUM where the optimizer has
+    momentum, (OPTIM.BETA1, OPTIM.BETA2) where it takes two betas, timm's defaults
+    otherwise. Most update parameter by parameter; OPTIM.MTA asks for `foreach` where
+    the optimizer offers it."""
+    from timm.optim import create_optimizer_v2, get_optimizer_info
+
+    o = cfg.OPTIM
+    info = get_optimizer_info(o.OPTIMIZER)
+    kwargs = {}
+    if info.has_betas and info.num_betas == 2:
+        kwargs["betas"] = (o.BETA1, o.BETA2)
+    if "foreach" in inspect.signature(info.opt_class).parameters:
+        kwargs["foreach"] = o.MTA
+    return create_optimizer_v2(
+        [dict(g) for g in groups],
+        opt=o.OPTIMIZER,
+        lr=o.BASE_LR,
+        momentum=o.MOMENTUM,
+        **kwargs,
+    )
 
 
 def _lr_policy(o, epoch):

@@ -40,6 +40,7 @@ The predicted step speed, as a fraction of the GPUs' ASSUMED_FLOPS, multiplies:
 FSDP's and DDP's gradient reductions are taken as overlapped with backward.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -47,8 +48,9 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
+from pycls_fast.components.optimizer import construct_optimizer
 from pycls_fast.components.precision import AmpMode, resolve_amp
-from pycls_fast.config import with_overrides
+from pycls_fast.config import get_cfg, with_overrides
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
 from pycls_fast.parallel.pipeline import stage_bounds, stages_per_rank
@@ -187,14 +189,38 @@ def per_rank_memory(cfg: CfgNode, c: Candidate, tensors=None) -> dict[str, int]:
     return max(stages, key=lambda m: m["total"])
 
 
+@functools.cache
+def _states_of(name: str, momentum: float) -> int:
+    cfg = with_overrides(
+        get_cfg(),
+        # Nesterov off: it only refuses a zero momentum, it keeps no other state.
+        {"OPTIM.OPTIMIZER": name, "OPTIM.MOMENTUM": momentum, "OPTIM.NESTEROV": False},
+    )
+    p = nn.Parameter(torch.ones(8))
+    opt = construct_optimizer([{"params": [p], "weight_decay": 0.0}], cfg)
+    p.grad = torch.ones(8)
+    opt.step()
+    return sum(
+        1
+        for t in opt.state[p].values()
+        if isinstance(t, torch.Tensor) and t.shape == p.shape
+    )
+
+
+def optimizer_states(cfg: CfgNode) -> int:
+    """How many parameter-sized tensors OPTIM.OPTIMIZER keeps per parameter (SGD: 1
+    with momentum, else 0; AdamW: 2; timm's Adan: 4 ...), counted on the real
+    optimizer after one step on an 8-element parameter."""
+    return _states_of(cfg.OPTIM.OPTIMIZER, cfg.OPTIM.MOMENTUM)
+
+
 def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, int]:
     """The bytes of pipeline rank `rank` (its stages rank and rank + PP)."""
     stages = list(range(rank, len(bounds), c.pp))
     mode, half = resolve_amp(cfg)
     half_b = torch.finfo(half).bits // 8
     ln_fp32 = cfg.AMP.LAYER_NORM_FP32
-    opt = cfg.OPTIM.OPTIMIZER
-    states = 2 if opt in ("adam", "adamw", "lamb") else int(cfg.OPTIM.MOMENTUM > 0)
+    states = optimizer_states(cfg)
     out = dict.fromkeys(("params", "grads", "optimizer", "master", "ema"), 0)
     block_numel = stage_numel = 0
     for name, shape, is_ln in tensors:

@@ -78,36 +78,56 @@ def center_crop_box(
 
 
 def make_augment(
-    augment: str, im_size: int
+    augment: str, im_size: int, interpolation: str = "random"
 ) -> Callable[[Image.Image], Image.Image] | None:
-    """Returns timm's transform for a pycls TRAIN.AUGMENT string, or None for ''.
+    """Returns timm's transform for a TRAIN.AUGMENT string, or None for ''.
 
-    'AutoAugment': the ImageNet policy of the AutoAugment paper (timm 'original').
-    'RandAugment_N2_M0.5[_P1.0]': N ops per image at magnitude M in [0, 1] (pycls's
-    scale; timm's is 0-10, so M0.5 -> m5), each applied with probability P (pycls
-    default 1.0). Raises ConfigError naming TRAIN.AUGMENT on anything else.
+    timm's own strings go through timm's factories exactly as timm's
+    `transforms_imagenet_train` builds them: 'rand-m9-mstd0.5-inc1' (RandAugment, as
+    DeiT), 'augmix-m5-w4-d2' (AugMix), 'original' / 'originalr' / 'v0' / 'v0r'
+    (AutoAugment policies). pycls's spellings keep working: 'AutoAugment' (timm
+    'original') and 'RandAugment_N2_M0.5[_P1.0]': N ops at magnitude M in [0, 1]
+    (timm's scale is 0-10, so M0.5 -> m5), each with probability P. `interpolation`
+    ('bicubic', 'bilinear' or 'random'): that of the geometric ops (timm's
+    aa_params; 'random' picks one per op, timm's default). Raises ConfigError naming
+    TRAIN.AUGMENT on anything else.
     """
     if not augment:
         return None
-    from timm.data.auto_augment import auto_augment_transform, rand_augment_transform
+    from timm.data.auto_augment import (
+        augment_and_mix_transform,
+        auto_augment_transform,
+        rand_augment_transform,
+    )
+    from timm.data.transforms import str_to_pil_interp
 
     hparams = {"translate_const": int(im_size * 0.45), "img_mean": _FILL}
+    if interpolation != "random":
+        hparams["interpolation"] = str_to_pil_interp(interpolation)
     if augment == "AutoAugment":
-        return auto_augment_transform("original", hparams)
-    match = re.fullmatch(r"RandAugment((?:_[NMP][0-9.]+)*)", augment)
-    if not match:
+        augment = "original"
+    pycls = re.fullmatch(r"RandAugment((?:_[NMP][0-9.]+)*)", augment)
+    if pycls:
+        params = {p[0]: float(p[1:]) for p in pycls.group(1).split("_")[1:]}
+        if "M" not in params or not 0 <= params["M"] <= 1:
+            raise ConfigError(
+                f"TRAIN.AUGMENT {augment!r} needs a magnitude M in [0, 1], "
+                "e.g. RandAugment_N2_M0.5"
+            )
+        n, m, p = int(params.get("N", 2)), round(params["M"] * 10), params.get("P", 1.0)
+        augment = f"rand-n{n}-m{m}-p{p}"
+    try:
+        if augment.startswith("rand"):
+            return rand_augment_transform(augment, hparams)
+        if augment.startswith("augmix"):
+            return augment_and_mix_transform(augment, {**hparams, "translate_pct": 0.3})
+        return auto_augment_transform(augment, hparams)
+    except (AssertionError, ValueError, KeyError, IndexError) as e:
         raise ConfigError(
-            f"TRAIN.AUGMENT must be '', 'AutoAugment' or 'RandAugment_N<n>_M<m>', "
-            f"got {augment!r}"
-        )
-    params = {p[0]: float(p[1:]) for p in match.group(1).split("_")[1:]}
-    if "M" not in params or not 0 <= params["M"] <= 1:
-        raise ConfigError(
-            f"TRAIN.AUGMENT {augment!r} needs a magnitude M in [0, 1], "
-            "e.g. RandAugment_N2_M0.5"
-        )
-    n, m, p = int(params.get("N", 2)), round(params["M"] * 10), params.get("P", 1.0)
-    return rand_augment_transform(f"rand-n{n}-m{m}-p{p}", hparams)
+            f"TRAIN.AUGMENT {augment!r} is not a timm augmentation string "
+            "('rand-m9-mstd0.5-inc1', 'augmix-m5-w4-d2', 'original', ...) nor pycls's "
+            f"('AutoAugment', 'RandAugment_N2_M0.5'): {e}"
+        ) from None
 
 
 class TrainTransform:
@@ -123,9 +143,10 @@ class TrainTransform:
         crop: str = "random_resized",
         three_augment: bool = False,
         color_jitter: float = 0.0,
+        augment_interpolation: str = "random",
     ) -> None:
         self.out_size = (im_size, im_size)
-        self.augment = make_augment(augment, im_size)
+        self.augment = make_augment(augment, im_size, augment_interpolation)
         self.scale = tuple(scale)
         self.hflip = hflip
         self.simple_crop = crop == "simple_random"
@@ -205,5 +226,6 @@ def build_transform(cfg: CfgNode, train: bool) -> "TrainTransform | TestTransfor
             cfg.DATA.TRAIN_CROP,
             cfg.TRAIN.THREE_AUGMENT,
             cfg.TRAIN.COLOR_JITTER,
+            cfg.TRAIN.AUGMENT_INTERPOLATION,
         )
     return TestTransform(cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE)

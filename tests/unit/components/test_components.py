@@ -14,6 +14,7 @@ from pycls_fast.components.optimizer import (
 from pycls_fast.components.precision import AmpMode, describe_precision, resolve_amp
 from pycls_fast.config import get_cfg
 from pycls_fast.engine.trainer import build_components, train_step
+from pycls_fast.errors import ConfigError
 from pycls_fast.models import build_model
 from tests.helpers import tiny_cfg
 
@@ -181,13 +182,64 @@ def test_backend_flags_follow_the_config(tf32):
         torch.backends.cudnn.benchmark = saved[2]
 
 
-def test_lamb_from_timm_trains():
-    cfg = tiny_cfg("OPTIM.OPTIMIZER", "lamb", "OPTIM.BASE_LR", "0.01")
+@pytest.mark.parametrize(
+    "name, cls_name", [("lamb", "Lamb"), ("lion", "Lion"), ("adan", "Adan"),
+                       ("lars", "Lars"), ("nadamw", "NAdamW")],
+)  # fmt: skip
+def test_timm_optimizers_keep_our_parameter_groups_and_train(name, cls_name):
+    """Optimizers from timm's factory get our groups as they are (weight decay per
+    group, layer-decay lr scale) and the betas / momentum of OPTIM."""
+    cfg = tiny_cfg(
+        "OPTIM.OPTIMIZER", name, "OPTIM.BASE_LR", "0.003", "OPTIM.WEIGHT_DECAY", "0.05",
+        "OPTIM.BIAS_USE_CUSTOM_WEIGHT_DECAY", "True", "OPTIM.LAYER_DECAY", "0.75",
+        "OPTIM.BETA1", "0.85", "OPTIM.MOMENTUM", "0.8",
+    )  # fmt: skip
     parts = build_components(cfg, loaders=False)
-    assert type(parts.optimizer).__name__ == "Lamb"
+    opt = parts.optimizer
+    assert type(opt).__name__ == cls_name
+    want = param_groups(parts.model, cfg)
+    assert len(opt.param_groups) == len(want)
+    for got, ref in zip(opt.param_groups, want, strict=True):
+        assert [id(p) for p in got["params"]] == [id(p) for p in ref["params"]]
+        assert got["weight_decay"] == ref["weight_decay"]
+        assert got["lr_scale"] == ref["lr_scale"]
+        if "betas" in got and len(got["betas"]) == 2:
+            assert tuple(got["betas"]) == (0.85, cfg.OPTIM.BETA2)
+        if "momentum" in opt.defaults:
+            assert got["momentum"] == 0.8
     images, labels = _batch()
     losses = [train_step(parts, images, labels)[0].item() for _ in range(8)]
     assert losses[-1] < losses[0]
+
+
+def test_unknown_optimizer_is_one_line_with_the_closest_name():
+    with pytest.raises(ConfigError, match=r"OPTIM.OPTIMIZER .*'adamw'.*adamv"):
+        tiny_cfg("OPTIM.OPTIMIZER", "adamv")
+
+
+def test_no_decay_tokens_exempts_position_embedding_and_tokens():
+    """OPTIM.NO_DECAY_TOKENS: the parameters timm's no_weight_decay() names go to a
+    group without weight decay; off (pycls), they stay with the weights."""
+    opts = ["OPTIM.WEIGHT_DECAY", "0.05", "VIT.CLASSIFIER_TYPE", "token"]
+    cfg = tiny_cfg(*opts, "OPTIM.NO_DECAY_TOKENS", "True")
+    model = build_model(cfg)
+    groups = {g["name"]: g for g in param_groups(model, cfg)}
+    assert groups["token"]["weight_decay"] == 0.0
+    token_ids = {id(p) for p in groups["token"]["params"]}
+    assert token_ids == {id(model.pos_embedding), id(model.class_token)}
+    # timm's names for them (its register tokens have no counterpart here).
+    timm_names = set(_timm_vit().no_weight_decay())
+    assert timm_names - {"reg_token"} == {"pos_embed", "cls_token", "dist_token"}
+    off = {g["name"]: g for g in param_groups(model, tiny_cfg(*opts))}
+    assert "token" not in off
+    assert id(model.pos_embedding) in {id(p) for p in off["weights"]["params"]}
+
+
+def _timm_vit():
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=1,
+                             num_heads=4, num_classes=10)  # fmt: skip
 
 
 def test_weight_decay_groups_follow_pycls():

@@ -107,3 +107,67 @@ def test_make_augment_strings():
 def test_make_augment_rejects_bad_strings(bad):
     with pytest.raises(ConfigError, match="TRAIN.AUGMENT"):
         make_augment(bad, 224)
+
+
+def _timm_augment(augment: str, interpolation: str):
+    """The augmentation timm's own train transform builds for `augment` (the
+    reference: timm's transforms_imagenet_train, as DeiT calls it)."""
+    from timm.data.auto_augment import AugMixAugment, AutoAugment, RandAugment
+    from timm.data.transforms_factory import transforms_imagenet_train
+
+    kinds = (RandAugment, AugMixAugment, AutoAugment)
+    pipeline = transforms_imagenet_train(
+        224, auto_augment=augment, interpolation=interpolation, separate=True
+    )
+    found = [t for stage in pipeline for t in stage.transforms if isinstance(t, kinds)]
+    assert len(found) == 1
+    return found[0]
+
+
+def _ops(aug):
+    ops = aug.ops if hasattr(aug, "ops") else [op for sub in aug.policy for op in sub]
+    return [
+        (op.name, op.prob, op.magnitude, op.magnitude_std, op.kwargs.get("resample"))
+        for op in ops
+    ]
+
+
+@pytest.mark.parametrize(
+    "augment, interpolation",
+    [
+        ("rand-m9-mstd0.5-inc1", "bicubic"),  # DeiT
+        ("rand-m7-mstd0.5-inc1", "random"),
+        ("augmix-m5-w4-d2", "bilinear"),
+        ("original", "bicubic"),
+        ("v0r", "random"),
+    ],
+)
+def test_timm_strings_build_what_timm_builds(augment, interpolation):
+    """A timm string gives the ops, magnitudes, noise, probabilities and
+    interpolation that timm's own train transform gives for it."""
+    ours = make_augment(augment, 224, interpolation)
+    theirs = _timm_augment(augment, interpolation)
+    assert type(ours) is type(theirs)
+    assert _ops(ours) == _ops(theirs)
+    for attr in ("num_layers", "width", "depth", "alpha", "choice_weights"):
+        want = getattr(theirs, attr, None)
+        got = getattr(ours, attr, None)
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert list(np.ravel(got)) == list(np.ravel(want)), attr
+    out = ours(_gradient(32, 32))
+    assert out.size == (32, 32)
+
+
+def test_deit_string_has_magnitude_noise_and_increasing_ops():
+    aug = make_augment("rand-m9-mstd0.5-inc1", 224, "bicubic")
+    assert aug.num_layers == 2
+    assert {op.magnitude for op in aug.ops} == {9}
+    assert {op.magnitude_std for op in aug.ops} == {0.5}
+    assert "SolarizeIncreasing" in {op.name for op in aug.ops}
+
+
+@pytest.mark.parametrize("bad", ["rand-m9-bogus1", "augmix-q3", "nonsense"])
+def test_bad_timm_strings_are_one_config_error(bad):
+    with pytest.raises(ConfigError, match="TRAIN.AUGMENT"):
+        make_augment(bad, 224)
