@@ -504,6 +504,19 @@ _key("TRAIN.BATCH_SIZE", 128, gt=0)
 # step, so learning-rate rules, schedules and logs keep their meaning
 _key("TRAIN.ACCUM_STEPS", 1, gt=0)
 
+# pycls_fast: loss-spike guard: a step whose loss is not finite or above this many
+# times the running mean of the accepted losses is skipped (logged), instead of
+# stopping on a NaN; 0 = off (a NaN stops the run). Reads the loss back every step
+_key("TRAIN.SPIKE_FACTOR", 0.0, ge=0)
+
+# pycls_fast: accepted steps before the guard judges against the running mean (a
+# non-finite loss is skipped from the first step)
+_key("TRAIN.SPIKE_WARMUP", 50, ge=0)
+
+# pycls_fast: stop the run (naming the last good checkpoint) after this many steps
+# in a row skipped as spikes
+_key("TRAIN.SPIKE_MAX_SKIPS", 5, gt=0)
+
 # Training image size (random-resized-crop output; the model's input size)
 _key("TRAIN.IM_SIZE", 224, gt=0)
 

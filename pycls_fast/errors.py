@@ -54,6 +54,10 @@ class NonFiniteLossError(PyclsFastError):
     """The loss became NaN or inf: training stops instead of writing garbage."""
 
 
+class LossSpikeError(PyclsFastError):
+    """TRAIN.SPIKE_MAX_SKIPS steps in a row were skipped as loss spikes."""
+
+
 class Stopped(PyclsFastError):
     """Training stopped on a signal after writing a checkpoint. `exit_code` is
     128 + the signal number, as a shell reports a process ended by that signal."""

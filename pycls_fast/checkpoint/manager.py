@@ -43,9 +43,15 @@ def _meta(parts, epoch, iteration):
         "epoch": epoch,
         "iter": iteration,
         "scaler_state": parts.scaler.state_dict(),
+        **_spike_state(parts),
         "cfg": parts.cfg.dump(),
         "world_size": distributed.world_size(),
     }
+
+
+def _spike_state(parts):
+    guard = getattr(parts, "spike_guard", None)
+    return {} if guard is None else {"spike_state": guard.state_dict()}
 
 
 def _rank_parts(parts):
@@ -130,6 +136,9 @@ def restore(parts, path: str):
         if ranks and len(ranks) == distributed.world_size():
             state.update(ranks[distributed.rank()])
     parts.scaler.load_state_dict(state["scaler_state"])
+    guard = getattr(parts, "spike_guard", None)
+    if guard is not None and "spike_state" in state:
+        guard.load_state_dict(state["spike_state"])
     # RNG streams continue where they were when the world size is unchanged; at
     # another world size the ranks' streams start afresh from RNG_SEED.
     same_world = state.get("world_size") == distributed.world_size()

@@ -54,6 +54,7 @@ from pycls_fast.components.precision import (
     prepare_model,
     resolve_amp,
 )
+from pycls_fast.components.spike_guard import SpikeGuard, build_spike_guard
 from pycls_fast.config import dump_cfg, with_overrides
 from pycls_fast.datasets.loader import (
     ImageLoader,
@@ -138,6 +139,8 @@ class Components:
     loss_fn: Callable = F.cross_entropy
     # DeiT's distillation (DISTILL.*): the teacher and its loss; None without.
     distiller: Distiller | None = None
+    # TRAIN.SPIKE_FACTOR: skips steps whose loss spikes; None when off.
+    spike_guard: SpikeGuard | None = None
     # The (pp, dp, tp) layout of the ranks (parallel/mesh.py), its mesh (None without
     # tensor or pipeline parallelism) and this rank's data-parallel index.
     layout: Layout = field(default_factory=Layout)
@@ -305,6 +308,7 @@ def build_components(
         scaler=loss_scaler(half if mode is not AmpMode.FP32 else torch.float32),
         loss_fn=build_loss(cfg),
         distiller=distiller,
+        spike_guard=build_spike_guard(cfg),
         master=master,
         ema=ema,
         opt_params=[p for g in groups for p in g["params"]],
@@ -449,10 +453,14 @@ def train_step(parts, inputs, targets, weight=1.0):
     if found_inf is not None and stages is not None:
         # An overflow in any stage skips the step in all of them.
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=stages)
+    skip = found_inf
+    if parts.spike_guard is not None:
+        spike = parts.spike_guard.check(loss, judge=weight != 0)
+        skip = spike if found_inf is None else torch.maximum(found_inf, spike)
     if parts.cfg.OPTIM.GRAD_CLIP > 0:
         # After an overflow the clipped grads are NaN too; the step is skipped.
         clip_grad_norm_(parts.opt_params, parts.cfg.OPTIM.GRAD_CLIP, stages)
-    if parts.scaler.step(parts.optimizer, found_inf) and parts.master is not None:
+    if parts.scaler.step(parts.optimizer, skip) and parts.master is not None:
         parts.master.master_to_model()  # unchanged masters after a skipped step
     parts.scaler.update(found_inf)
     parts.optimizer.zero_grad(set_to_none=True)
@@ -476,6 +484,17 @@ def _step_without_images(parts):
     blank = torch.zeros(n, 3, size, size, dtype=dtype, device=parts.device)
     label = torch.zeros(n, dtype=torch.long, device=parts.device)
     train_step(parts, blank, label, weight=0.0)
+
+
+def _spike_skipped(parts, epoch, it):
+    """Whether the spike guard skipped this step (logged; its loss is kept out of
+    the epoch's meter). False when the guard is off."""
+    if parts.spike_guard is None:
+        return False
+    where = f"epoch {epoch + 1}, iteration {it + 1}"
+    return parts.spike_guard.record(
+        where, lambda: files.last_checkpoint(parts.cfg.OUT_DIR) or "none yet"
+    )
 
 
 def check_finite(parts, meter, epoch):
@@ -530,10 +549,11 @@ def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
         set_lr(parts.optimizer, lr)
         if len(targets):
             loss, logits, _ = train_step(parts, inputs, targets)
-            hard = targets.argmax(dim=1) if targets.ndim == 2 else targets
-            top1, top5 = topk_errors(logits.float(), hard)
-            n = len(hard) if parts.reports_metrics else 0
-            meter.add(loss.detach(), top1, top5, n, step=it)
+            if not _spike_skipped(parts, epoch, it):
+                hard = targets.argmax(dim=1) if targets.ndim == 2 else targets
+                top1, top5 = topk_errors(logits.float(), hard)
+                n = len(hard) if parts.reports_metrics else 0
+                meter.add(loss.detach(), top1, top5, n, step=it)
         else:
             _step_without_images(parts)
         if parts.ema is not None and (it + 1) % cfg.OPTIM.EMA_UPDATE_PERIOD == 0:
