@@ -11,6 +11,7 @@ The conversion happens at the boundary, on state dicts; the model knows nothing 
 """
 
 import functools
+import itertools
 import re
 from typing import Any
 
@@ -39,9 +40,15 @@ _TOP_KEYS = [
 ]
 
 
-def _key_map(n_layers, class_token, layer_scale=False):
+def _key_map(n_layers, class_token, layer_scale=False, qk_norm=False):
     """Returns [(timm key, our key)] for every tensor of the model."""
     pairs = [("pos_embed", "pos_embedding")]
+    if qk_norm:
+        for i, t, w in itertools.product(
+            range(n_layers), ("q", "k"), ("weight", "bias")
+        ):
+            ours = f"encoder.block_{i}.self_attention.{t}_norm.{w}"
+            pairs.append((f"blocks.{i}.attn.{t}_norm.{w}", ours))
     if layer_scale:
         for i in range(n_layers):
             for t, o in (("ls1", "ls_1"), ("ls2", "ls_2")):
@@ -120,7 +127,13 @@ def from_timm(
             "VIT.LAYER_SCALE: the timm checkpoint "
             + ("has LayerScale (set VIT.LAYER_SCALE > 0)" if has_ls else "has none")
         )
-    pairs = _key_map(p.n_layers, has_token, has_ls)
+    has_qk_norm = any(re.match(r"blocks\.\d+\.attn\.q_norm\.weight$", k) for k in sd)
+    if has_qk_norm != p.qk_norm:
+        raise ConfigError(
+            "VIT.QK_NORM: the timm checkpoint "
+            + ("has qk_norm (set VIT.QK_NORM True)" if has_qk_norm else "has none")
+        )
+    pairs = _key_map(p.n_layers, has_token, has_ls, has_qk_norm)
     missing = [t for t, _ in pairs if t not in sd]
     if missing:
         raise ConfigError(
@@ -145,7 +158,7 @@ def to_timm(state_dict: dict[str, Any], cfg: CfgNode) -> dict[str, torch.Tensor]
     p = ViTParams.from_cfg(cfg)
     _check_supported(p)
     sd = unwrap_state_dict(state_dict)
-    pairs = _key_map(p.n_layers, p.cls_type == "token", p.layer_scale > 0)
+    pairs = _key_map(p.n_layers, p.cls_type == "token", p.layer_scale > 0, p.qk_norm)
     missing = [o for _, o in pairs if o not in sd]
     if missing:
         raise ConfigError(
@@ -199,5 +212,6 @@ def build_timm_vit(cfg: CfgNode, **kwargs: Any) -> nn.Module:
         mlp_ratio=p.mlp_d / p.hidden_d,
         norm_layer=functools.partial(torch.nn.LayerNorm, eps=p.ln_eps),
         init_values=p.layer_scale or None,
+        qk_norm=p.qk_norm,
         **kwargs,
     )

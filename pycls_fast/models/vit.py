@@ -62,6 +62,8 @@ class ViTParams:
     drop_path: float = 0.0
     layer_scale: float = 0.0
     distill_token: bool = False
+    qk_norm: bool = False
+    attention_fp32: bool = False
 
     @staticmethod
     def from_cfg(cfg: CfgNode) -> "ViTParams":
@@ -88,6 +90,8 @@ class ViTParams:
             drop_path=cfg.VIT.DROP_PATH,
             layer_scale=cfg.VIT.LAYER_SCALE,
             distill_token=cfg.VIT.DISTILL_TOKEN,
+            qk_norm=cfg.VIT.QK_NORM,
+            attention_fp32=cfg.VIT.ATTENTION_FP32,
         )
 
     @property
@@ -140,17 +144,33 @@ class MLPBlock(nn.Module):
 
 
 class MultiheadSelfAttention(nn.Module):
-    """Self-attention with a fused q/k/v projection, for either token layout."""
+    """Self-attention with a fused q/k/v projection, for either token layout.
+
+    `qk_norm`: a LayerNorm over each head's queries and keys before the dot product
+    (ViT-22B; timm's `qk_norm`), which bounds the attention logits. `fp32`: the
+    attention itself (logits, softmax, weighted sum) in float32 under autocast."""
 
     def __init__(
-        self, hidden_d: int, n_heads: int, *, batch_first: bool, attention: str = "auto"
+        self,
+        hidden_d: int,
+        n_heads: int,
+        *,
+        batch_first: bool,
+        attention: str = "auto",
+        qk_norm: bool = False,
+        ln_eps: float = 1e-6,
+        fp32: bool = False,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.batch_first = batch_first
         self.attention = attention
+        self.fp32 = fp32
         self.attn_proj = linear(hidden_d, 3 * hidden_d, bias=True)
         self.out_proj = linear(hidden_d, hidden_d, bias=True)
+        head_d = hidden_d // n_heads
+        self.q_norm = layernorm(head_d, ln_eps) if qk_norm else nn.Identity()
+        self.k_norm = layernorm(head_d, ln_eps) if qk_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (batch, seq, hidden) if batch_first else (seq, batch, hidden), float;
@@ -163,18 +183,30 @@ class MultiheadSelfAttention(nn.Module):
         # Both layouts gather q, k, v as (3, batch, heads, seq, head_d) for the kernel.
         perm = (2, 0, 3, 1, 4) if self.batch_first else (2, 1, 3, 0, 4)
         q, k, v = qkv.permute(perm).unbind(0)
-        out = attend(q, k, v, self.attention)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.fp32:
+            with torch.autocast(x.device.type, enabled=False):
+                out = attend(q.float(), k.float(), v.float(), self.attention)
+            out = out.to(v.dtype)
+        else:
+            out = attend(q, k, v, self.attention)
         # (batch, heads, seq, head_d) -> the input layout
         out = out.permute(0, 2, 1, 3) if self.batch_first else out.permute(2, 0, 1, 3)
         return self.out_proj(out.reshape(d0, d1, -1))
 
     @staticmethod
     def complexity(
-        cx: dict[str, int], hidden_d: int, n_heads: int, seq_len: int
+        cx: dict[str, int],
+        hidden_d: int,
+        n_heads: int,
+        seq_len: int,
+        qk_norm: bool = False,
     ) -> dict[str, int]:
         head_d = hidden_d // n_heads
         # q, k, v = attn_proj(x)
         cx = linear_cx(cx, hidden_d, 3 * hidden_d, bias=True, num_locations=seq_len)
+        if qk_norm:  # q_norm, k_norm: one LayerNorm over head_d each
+            cx = layernorm_cx(layernorm_cx(cx, head_d), head_d)
         # scores = q @ k^T, per head
         cx["flops"] += n_heads * seq_len * head_d * seq_len
         cx["acts"] += n_heads * seq_len * seq_len
@@ -211,7 +243,13 @@ class ViTEncoderBlock(nn.Module):
         super().__init__()
         self.ln_1 = layernorm(p.hidden_d, p.ln_eps)
         self.self_attention = MultiheadSelfAttention(
-            p.hidden_d, p.n_heads, batch_first=p.batch_first, attention=p.attention
+            p.hidden_d,
+            p.n_heads,
+            batch_first=p.batch_first,
+            attention=p.attention,
+            qk_norm=p.qk_norm,
+            ln_eps=p.ln_eps,
+            fp32=p.attention_fp32,
         )
         self.ln_2 = layernorm(p.hidden_d, p.ln_eps)
         self.mlp_block = MLPBlock(p.hidden_d, p.mlp_d)
@@ -240,9 +278,10 @@ class ViTEncoderBlock(nn.Module):
         mlp_d: int,
         seq_len: int,
         layer_scale: bool = False,
+        qk_norm: bool = False,
     ) -> dict[str, int]:
         cx = layernorm_cx(cx, hidden_d)
-        cx = MultiheadSelfAttention.complexity(cx, hidden_d, n_heads, seq_len)
+        cx = MultiheadSelfAttention.complexity(cx, hidden_d, n_heads, seq_len, qk_norm)
         cx = layernorm_cx(cx, hidden_d)
         cx = MLPBlock.complexity(cx, hidden_d, mlp_d, seq_len)
         if layer_scale:
@@ -278,10 +317,11 @@ class ViTEncoder(nn.Module):
         mlp_d: int,
         seq_len: int,
         layer_scale: bool = False,
+        qk_norm: bool = False,
     ) -> dict[str, int]:
         for _ in range(n_layers):
             cx = ViTEncoderBlock.complexity(
-                cx, hidden_d, n_heads, mlp_d, seq_len, layer_scale
+                cx, hidden_d, n_heads, mlp_d, seq_len, layer_scale, qk_norm
             )
         return layernorm_cx(cx, hidden_d)
 
@@ -452,7 +492,14 @@ class ViT(nn.Module):
         cx["params"] += p.num_prefix * p.hidden_d  # class and distillation tokens
         cx["params"] += p.seq_len * p.hidden_d  # position embeddings
         cx = ViTEncoder.complexity(
-            cx, p.n_layers, p.hidden_d, p.n_heads, p.mlp_d, p.seq_len, p.layer_scale > 0
+            cx,
+            p.n_layers,
+            p.hidden_d,
+            p.n_heads,
+            p.mlp_d,
+            p.seq_len,
+            p.layer_scale > 0,
+            p.qk_norm,
         )
         cx = ViTHead.complexity(cx, p.hidden_d, p.num_classes)
         if p.distill_token:

@@ -34,6 +34,31 @@ def test_same_logits_as_timm(cls, layout, layer_scale):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
+def test_qk_norm_same_logits_as_timm_and_exact_round_trip():
+    """VIT.QK_NORM is timm's qk_norm: same logits for the same weights, and the
+    q / k norms map both ways; a checkpoint and a config that disagree are refused."""
+    cfg = tiny_cfg("VIT.QK_NORM", "True")
+    timm_model = _random_timm(cfg)
+    assert any(".attn.q_norm." in k for k in timm_model.state_dict())
+    ours = build_model(cfg).eval()
+    ours.load_state_dict(from_timm(timm_model.state_dict(), cfg))
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        expected, got = timm_model(x), ours(x)
+    assert expected.abs().max() > 0.1
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    back = to_timm(from_timm(timm_model.state_dict(), cfg), cfg)
+    assert sorted(back) == sorted(timm_model.state_dict())
+    with pytest.raises(ConfigError, match="VIT.QK_NORM"):
+        from_timm(timm_model.state_dict(), tiny_cfg())
+    # Without the norms the logits differ: the norms are in the forward.
+    plain = build_model(tiny_cfg()).eval()
+    state = {k: v for k, v in ours.state_dict().items() if "_norm." not in k}
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        assert (plain(x) - got).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("cls", ["token", "pooled"])
 @pytest.mark.parametrize("layer_scale", ["0", "1e-4"])
 def test_round_trips_are_exact(cls, layer_scale):

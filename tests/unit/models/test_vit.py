@@ -8,7 +8,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from pycls_fast.config import load_cfg
-from pycls_fast.models import build_model, complexity
+from pycls_fast.models import build_model, complexity, vit
 from tests.helpers import ROOT, tiny_cfg
 
 CONV_STEM = [
@@ -105,6 +105,37 @@ def test_complexity_closed_form(cls):
     flops, acts = _closed_form(48, 96, 4, 2, seq, 16, 8, 10)
     cx = complexity(cfg)
     assert (cx["flops"], cx["acts"]) == (flops, acts)
+
+
+def test_qk_norm_counts_its_parameters():
+    """Two LayerNorms over head_dim per block (4 x head_dim parameters each)."""
+    plain, normed = complexity(tiny_cfg()), complexity(tiny_cfg("VIT.QK_NORM", "True"))
+    model = build_model(tiny_cfg("VIT.QK_NORM", "True"))
+    n = sum(p.numel() for p in model.parameters())
+    head_d, layers = 48 // 4, 2
+    assert normed["params"] - plain["params"] == layers * 4 * head_d
+    assert normed["params"] == n
+    assert normed["flops"] == plain["flops"]  # pycls counts no flops for norms
+
+
+def test_attention_fp32_runs_the_attention_in_float32(monkeypatch):
+    """VIT.ATTENTION_FP32 under bf16 autocast: the attention kernel sees float32
+    inputs (so its logits are float32); the block's output stays bf16."""
+    seen = []
+    cfg = tiny_cfg("VIT.ATTENTION_FP32", "True", "VIT.ATTENTION", "explicit")
+    model = build_model(cfg).eval()
+    attn = model.encoder.block_0.self_attention
+    attn.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    real = vit.attend
+
+    def spy(q, k, v, kernel):
+        seen.append(q.dtype)
+        return real(q, k, v, kernel)
+
+    monkeypatch.setattr(vit, "attend", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))
+    assert seen[:2] == [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("stem", ["patchify", "conv"])
