@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 	distill-demo \
 	check-node bench bench-dist bench-attention \
 	bench-loader bench-index bench-shards bench-loader-scaling \
-	bench-optimizer clean
+	bench-optimizer bench-progressive clean
 
 setup: $(STAMP)
 
@@ -117,6 +117,11 @@ bench-index: setup
 
 bench-optimizer: setup
 	$(PY) -m benchmarks.optimizer
+
+# Progressive resolution (TRAIN.SIZE_SCHEDULE) vs a fixed 224 px, ViT-S/16, side by side.
+bench-progressive: setup
+	$(PY) -m benchmarks.progressive --cfg configs/vit/ViT-S-16.yaml \
+		--json-out out/bench/progressive.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -514,6 +514,13 @@ _key("TRAIN.BATCH_SIZE", 128, gt=0)
 # step, so learning-rate rules, schedules and logs keep their meaning
 _key("TRAIN.ACCUM_STEPS", 1, gt=0)
 
+# pycls_fast: progressive resolution: stages [[first epoch, image size, batch size],
+# ...] from epoch 0, e.g. [[0, 128, 2048], [40, 176, 1536], [80, 224, 1024]]; the
+# last stage's size is TRAIN.IM_SIZE (the model's position embedding, interpolated
+# at run time for the smaller ones); batch sizes global as TRAIN.BATCH_SIZE, which
+# they replace. [] = TRAIN.IM_SIZE and TRAIN.BATCH_SIZE throughout
+_key("TRAIN.SIZE_SCHEDULE", [])
+
 # pycls_fast: loss-spike guard: a step whose loss is not finite or above this many
 # times the running mean of the accepted losses is skipped (logged), instead of
 # stopping on a NaN; 0 = off (a NaN stops the run). Reads the loss back every step
@@ -1345,6 +1352,7 @@ def check_cfg(cfg: CfgNode) -> None:
                 f"TEST.SIZES: {size!r} is not a positive multiple of VIT.PATCH_SIZE "
                 f"({cfg.VIT.PATCH_SIZE})"
             )
+    _check_size_schedule(cfg, dp)
     per_rank = cfg.TRAIN.BATCH_SIZE // dp
     if per_rank % cfg.TRAIN.ACCUM_STEPS:
         raise ConfigError(
@@ -1371,6 +1379,56 @@ def _check_optimizer(cfg: CfgNode) -> None:
             f"OPTIM.OPTIMIZER must be 'sgd', 'adam', 'adamw' or one of timm's "
             f"optimizers (timm.optim.list_optimizers()), got {name!r}{hint}"
         )
+
+
+def train_stage(cfg: CfgNode, epoch: int) -> tuple[int, int]:
+    """(image size, global batch size) of training at `epoch` (0-based): the
+    TRAIN.SIZE_SCHEDULE stage it falls in, else (TRAIN.IM_SIZE, TRAIN.BATCH_SIZE)."""
+    size, batch = cfg.TRAIN.IM_SIZE, cfg.TRAIN.BATCH_SIZE
+    for first, stage_size, stage_batch in cfg.TRAIN.SIZE_SCHEDULE:
+        if epoch >= first:
+            size, batch = stage_size, stage_batch
+    return int(size), int(batch)
+
+
+def _check_size_schedule(cfg: CfgNode, dp: int) -> None:
+    stages = cfg.TRAIN.SIZE_SCHEDULE
+    if not stages:
+        return
+    key = "TRAIN.SIZE_SCHEDULE"
+    shaped = all(
+        isinstance(s, (list, tuple))
+        and len(s) == 3
+        and all(isinstance(v, int) for v in s)
+        for s in stages
+    )
+    if not shaped:
+        raise ConfigError(
+            f"{key}: each stage is [first epoch, size, batch], got {stages}"
+        )
+    firsts = [s[0] for s in stages]
+    if firsts[0] != 0 or firsts != sorted(set(firsts)):
+        raise ConfigError(
+            f"{key}: first epochs must start at 0 and increase, got {firsts}"
+        )
+    if stages[-1][1] != cfg.TRAIN.IM_SIZE:
+        raise ConfigError(
+            f"{key}: the last stage's size ({stages[-1][1]}) must be TRAIN.IM_SIZE "
+            f"({cfg.TRAIN.IM_SIZE}), the size the model is built at"
+        )
+    if cfg.PARALLEL.TP > 1 or cfg.PARALLEL.PP > 1:
+        raise ConfigError(f"{key} works with data parallelism only (PARALLEL.TP/PP 1)")
+    for _, size, batch in stages:
+        if size <= 0 or size % cfg.VIT.PATCH_SIZE:
+            raise ConfigError(
+                f"{key}: size {size} is not a positive multiple of VIT.PATCH_SIZE "
+                f"({cfg.VIT.PATCH_SIZE})"
+            )
+        if batch <= 0 or batch % (dp * cfg.TRAIN.ACCUM_STEPS):
+            raise ConfigError(
+                f"{key}: batch {batch} must divide into {dp} data-parallel ranks x "
+                f"TRAIN.ACCUM_STEPS ({cfg.TRAIN.ACCUM_STEPS})"
+            )
 
 
 def pp_microbatches(cfg: CfgNode) -> int:

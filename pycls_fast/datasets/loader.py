@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pycls_fast.config import train_stage
 from pycls_fast.datasets.formats.index import check_split, load_index
 from pycls_fast.datasets.formats.shards import check_shard_split, load_shard_index
 from pycls_fast.datasets.images.transforms import build_transform
@@ -64,7 +65,11 @@ class ImageLoader:
         max_bad_frac,
         stats_period=0,
         drop_empty=False,
+        decoder_for=None,
     ):
+        # `decoder_for(epoch)`: the decoder of that epoch (a TRAIN.SIZE_SCHEDULE
+        # stage's image size), or None: `decoder` throughout.
+        self.decoder_for = decoder_for
         self.decoder = decoder
         self.plan = plan
         self.mode = mode
@@ -113,6 +118,8 @@ class ImageLoader:
         skips the epoch's first batches without decoding them (resuming mid-epoch)."""
         self.epoch = epoch
         self.start_batch = start_batch
+        if self.decoder_for is not None:
+            self.decoder = self.decoder_for(epoch)
 
     def _plan(self):
         return self.plan(self.epoch)[self.start_batch :]
@@ -226,14 +233,29 @@ def _per_rank(cfg, key, world_size):
     return total // world_size
 
 
-def _loader(cfg, index, train, plan):
-    decoder = ImageDecoder(
+def _decoder(cfg, index, train, im_size=None):
+    return ImageDecoder(
         index,
-        build_transform(cfg, train),
-        cfg.TRAIN.IM_SIZE,
+        build_transform(cfg, train, im_size),
+        im_size or cfg.TRAIN.IM_SIZE,
         cfg.RNG_SEED,
         pin_memory=cfg.DATA_LOADER.PIN_MEMORY and torch.cuda.is_available(),
     )
+
+
+def _loader(cfg, index, train, plan):
+    decoder = _decoder(cfg, index, train)
+    decoder_for = None
+    if train and cfg.TRAIN.SIZE_SCHEDULE:
+        by_size = {cfg.TRAIN.IM_SIZE: decoder}
+
+        def decoder_for(epoch):
+            size = train_stage(cfg, epoch)[0]
+            if size not in by_size:
+                by_size[size] = _decoder(cfg, index, True, size)
+            return by_size[size]
+
+        decoder = decoder_for(0)
     return ImageLoader(
         decoder,
         plan,
@@ -243,6 +265,7 @@ def _loader(cfg, index, train, plan):
         cfg.DATA_LOADER.MAX_BAD_FRAC,
         cfg.DATA_LOADER.STATS_PERIOD,
         drop_empty=not train,
+        decoder_for=decoder_for,
     )
 
 
@@ -266,13 +289,16 @@ def construct_train_loader(cfg, rank=None, world_size=None):
     rank, world_size = sharding.rank_and_world_size(rank, world_size)
     index = _index(cfg, cfg.TRAIN.SPLIT)
     batch_size = _per_rank(cfg, "TRAIN.BATCH_SIZE", world_size)
-    if len(index) // world_size < batch_size:
+    stages = [s[2] // world_size for s in cfg.TRAIN.SIZE_SCHEDULE]
+    if len(index) // world_size < max([batch_size, *stages]):
         raise UserError(
             f"{index.split_dir} has {len(index)} images, fewer than one batch of "
-            f"{batch_size} per rank (TRAIN.BATCH_SIZE {cfg.TRAIN.BATCH_SIZE})"
+            f"{max([batch_size, *stages])} per rank (TRAIN.BATCH_SIZE "
+            f"{cfg.TRAIN.BATCH_SIZE}, TRAIN.SIZE_SCHEDULE {cfg.TRAIN.SIZE_SCHEDULE})"
         )
 
     def plan(epoch):
+        batch_size = train_stage(cfg, epoch)[1] // world_size
         if cfg.DATA.FORMAT == "shards":
             order = sharding.shard_order(
                 index.counts, cfg.RNG_SEED, epoch, cfg.DATA.SHUFFLE_BUFFER

@@ -55,7 +55,7 @@ from pycls_fast.components.precision import (
     resolve_amp,
 )
 from pycls_fast.components.spike_guard import SpikeGuard, build_spike_guard
-from pycls_fast.config import dump_cfg, with_overrides
+from pycls_fast.config import dump_cfg, train_stage, with_overrides
 from pycls_fast.datasets.loader import (
     ImageLoader,
     construct_test_loader,
@@ -474,7 +474,7 @@ def _step_without_images(parts):
     FSDP's collectives line up and the replicas stay equal."""
     if distributed.world_size() == 1:
         return
-    size = parts.cfg.TRAIN.IM_SIZE
+    size = parts.train_loader.decoder.shape[0]  # this epoch's (size schedule)
     dtype = input_dtype(parts.mode, parts.half_dtype)
     # One image per micro-batch: as many forwards (FSDP's gathers) as the others;
     # a pipeline takes its fixed batch.
@@ -525,6 +525,21 @@ def _progress(total, enabled):
 
     # On stdout, with the log lines (observe/logging.py writes them around the bar).
     return tqdm(total=total, leave=False, dynamic_ncols=True, file=sys.stdout)
+
+
+def _log_stage(cfg, epoch, first):
+    """A line when a TRAIN.SIZE_SCHEDULE stage starts (and where a run starts)."""
+    stages = cfg.TRAIN.SIZE_SCHEDULE
+    if not stages:
+        return
+    starts = [s[0] for s in stages]
+    if first or epoch in starts:
+        size, batch = train_stage(cfg, epoch)
+        index = sum(1 for s in starts if s <= epoch)
+        logger.info(
+            f"resolution stage {index}/{len(stages)} from epoch {epoch + 1}: "
+            f"{size} px, batch {batch}"
+        )
 
 
 def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
@@ -827,6 +842,7 @@ def _epochs(parts, manager, results, start_epoch, start_iter, on_iter_end, remot
     cfg = parts.cfg
     for epoch in range(start_epoch, cfg.OPTIM.MAX_EPOCH):
         t0 = time.perf_counter()
+        _log_stage(cfg, epoch, first=epoch == start_epoch)
         results["train"] = train_epoch(parts, epoch, start_iter, on_iter_end)
         start_iter = 0
         last_epoch = epoch + 1 == cfg.OPTIM.MAX_EPOCH

@@ -453,15 +453,31 @@ class ViT(nn.Module):
         # stays strided through every block, so that each LayerNorm (forward and
         # backward) copies it and each residual add runs on strided memory.
         prefix = [t for t in (self.class_token, self.dist_token) if t is not None]
+        pos = self.positions(x.size(-1))
         if self.batch_first:
             x = x.transpose(1, 2).contiguous()  # (n, seq, hidden_d)
             if prefix:
                 x = torch.cat([t.expand(x.size(0), -1, -1) for t in prefix] + [x], 1)
-            return x + self.pos_embedding
+            return x + pos
         x = x.permute(2, 0, 1).contiguous()  # (seq, n, hidden_d)
         if prefix:
             x = torch.cat([t.expand(-1, x.size(1), -1) for t in prefix] + [x], 0)
-        return x + self.pos_embedding.transpose(0, 1)
+        return x + pos.transpose(0, 1)
+
+    def positions(self, n_patches: int) -> torch.Tensor:
+        """The position embedding (1, seq, hidden) for `n_patches` patches: the
+        stored one at the built size, else its patch grid resampled (bicubic, timm's
+        `resample_abs_pos_embed`, differentiable) for an image of another size (a
+        progressive-resolution stage, TRAIN.SIZE_SCHEDULE)."""
+        prefix = self.params.num_prefix
+        if self.pos_embedding.size(1) == prefix + n_patches:
+            return self.pos_embedding
+        from timm.layers import resample_abs_pos_embed
+
+        side = math.isqrt(n_patches)
+        return resample_abs_pos_embed(
+            self.pos_embedding, [side, side], num_prefix_tokens=prefix
+        )
 
     def classify(self, x: torch.Tensor) -> torch.Tensor:
         """Encoded tokens (per the layout) -> logits (batch, num_classes); with the

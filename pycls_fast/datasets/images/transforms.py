@@ -214,12 +214,14 @@ def _write(im, out):
     out[...] = arr
 
 
-def build_transform(cfg: CfgNode, train: bool) -> "TrainTransform | TestTransform":
-    """Returns the train (TRAIN.IM_SIZE, TRAIN.AUGMENT) or test (TEST.IM_SIZE, then
-    TRAIN.IM_SIZE) transform of `cfg`."""
+def build_transform(
+    cfg: CfgNode, train: bool, im_size: int | None = None
+) -> "TrainTransform | TestTransform":
+    """Returns the train (TRAIN.IM_SIZE, or `im_size`: a TRAIN.SIZE_SCHEDULE stage's;
+    TRAIN.AUGMENT) or test (TEST.IM_SIZE, then TRAIN.IM_SIZE) transform of `cfg`."""
     if train:
         return TrainTransform(
-            cfg.TRAIN.IM_SIZE,
+            im_size or cfg.TRAIN.IM_SIZE,
             cfg.TRAIN.AUGMENT,
             cfg.DATA.CROP_SCALE,
             cfg.DATA.HFLIP,
