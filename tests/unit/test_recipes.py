@@ -146,6 +146,74 @@ REFERENCES = {
 # Not a paper recipe: the digits demo of distillation (docs/RECIPES.md).
 NOT_RECIPES = {"deit_s_digits_distill.yaml"}
 
+# pycls's ViT-P / ViT-C ("Early Convolutions Help Transformers See Better"):
+# facebookresearch/pycls, branch vitconfigs, configs/vitconv_baselines/vit/*.yaml.
+_PYCLS_SRC = "pycls vitconfigs configs/vitconv_baselines/vit/"
+_PYCLS_COMMON = {
+    "OPTIM.OPTIMIZER": "adamw", "OPTIM.LR_POLICY": "cos", "OPTIM.MIN_LR": 0.005,
+    "OPTIM.MAX_EPOCH": 400, "OPTIM.WEIGHT_DECAY": 0.24, "OPTIM.WARMUP_EPOCHS": 5,
+    "OPTIM.EMA_ALPHA": 1e-5, "OPTIM.EMA_UPDATE_PERIOD": 32,
+    "OPTIM.BIAS_USE_CUSTOM_WEIGHT_DECAY": True, "OPTIM.BIAS_CUSTOM_WEIGHT_DECAY": 0.0,
+    "LN.EPS": 1e-6, "LN.USE_CUSTOM_WEIGHT_DECAY": True, "LN.CUSTOM_WEIGHT_DECAY": 0.0,
+    "TRAIN.IM_SIZE": 224, "TRAIN.BATCH_SIZE": 2048, "TRAIN.MIXED_PRECISION": True,
+    "TRAIN.MIXUP_ALPHA": 0.8, "TRAIN.CUTMIX_ALPHA": 1.0, "TRAIN.LABEL_SMOOTHING": 0.1,
+    "TRAIN.AUGMENT": "AutoAugment", "TEST.IM_SIZE": 256, "TEST.BATCH_SIZE": 2048,
+    "VIT.PATCH_SIZE": 16, "VIT.CLASSIFIER_TYPE": "token",
+}  # fmt: skip
+_CONV_BN = {"BN.USE_CUSTOM_WEIGHT_DECAY": True, "BN.CUSTOM_WEIGHT_DECAY": 0.0}
+_C_SMALL = {
+    "VIT.C_STEM_KERNELS": [3, 3, 3, 3, 1],
+    "VIT.C_STEM_STRIDES": [2, 2, 2, 2, 1],
+}
+_C_BIG = {
+    "VIT.C_STEM_KERNELS": [3, 3, 3, 3, 3, 3, 1],
+    "VIT.C_STEM_STRIDES": [2, 2, 1, 2, 1, 2, 1],
+}
+# ours: (their file, {key: value} beyond the common ones)
+_PYCLS = {
+    "ViT-P-1GF": ("ViT-P-1.0GF_adamw_8gpus", {
+        "VIT.STEM_TYPE": "patchify", "VIT.NUM_LAYERS": 12, "VIT.NUM_HEADS": 3,
+        "VIT.HIDDEN_DIM": 192, "VIT.MLP_DIM": 576, "OPTIM.BASE_LR": 0.001,
+        "NUM_GPUS": 8}),
+    "ViT-P-4GF": ("ViT-P-4.0GF_adamw_8gpus", {
+        "VIT.STEM_TYPE": "patchify", "VIT.NUM_LAYERS": 12, "VIT.NUM_HEADS": 6,
+        "VIT.HIDDEN_DIM": 384, "VIT.MLP_DIM": 1152, "OPTIM.BASE_LR": 0.001,
+        "NUM_GPUS": 8}),
+    "ViT-P-18GF": ("ViT-P-18GF_adamw_16gpus", {
+        "VIT.STEM_TYPE": "patchify", "VIT.NUM_LAYERS": 12, "VIT.NUM_HEADS": 12,
+        "VIT.HIDDEN_DIM": 768, "VIT.MLP_DIM": 3072, "OPTIM.BASE_LR": 0.001,
+        "NUM_GPUS": 16}),
+    "ViT-P-36GF": ("ViT-P-36GF_adamw_32gpus", {
+        "VIT.STEM_TYPE": "patchify", "VIT.NUM_LAYERS": 14, "VIT.NUM_HEADS": 16,
+        "VIT.HIDDEN_DIM": 1024, "VIT.MLP_DIM": 4096, "OPTIM.BASE_LR": 0.0007,
+        "NUM_GPUS": 32}),
+    "ViT-C-1GF": ("ViT-C-1.0GF_adamw_8gpus", {
+        "VIT.STEM_TYPE": "conv", **_C_SMALL, "VIT.C_STEM_DIMS": [24, 48, 96, 192, 192],
+        "VIT.NUM_LAYERS": 11, "VIT.NUM_HEADS": 3, "VIT.HIDDEN_DIM": 192,
+        "VIT.MLP_DIM": 576, "OPTIM.BASE_LR": 0.001, "NUM_GPUS": 8, **_CONV_BN}),
+    "ViT-C-4GF": ("ViT-C-4.0GF_adamw_8gpus", {
+        "VIT.STEM_TYPE": "conv", **_C_SMALL, "VIT.C_STEM_DIMS": [48, 96, 192, 384, 384],
+        "VIT.NUM_LAYERS": 11, "VIT.NUM_HEADS": 6, "VIT.HIDDEN_DIM": 384,
+        "VIT.MLP_DIM": 1152, "OPTIM.BASE_LR": 0.001, "NUM_GPUS": 8, **_CONV_BN}),
+    "ViT-C-18GF": ("ViT-C-18GF_adamw_16gpus", {
+        "VIT.STEM_TYPE": "conv", **_C_BIG,
+        "VIT.C_STEM_DIMS": [64, 128, 128, 256, 256, 512, 768], "VIT.NUM_LAYERS": 11,
+        "VIT.NUM_HEADS": 12, "VIT.HIDDEN_DIM": 768, "VIT.MLP_DIM": 3072,
+        "OPTIM.BASE_LR": 0.001, "NUM_GPUS": 16, **_CONV_BN}),
+    "ViT-C-36GF": ("ViT-C-36GF_adamw_32gpus", {
+        "VIT.STEM_TYPE": "conv", **_C_BIG,
+        "VIT.C_STEM_DIMS": [64, 128, 128, 256, 256, 512, 1024], "VIT.NUM_LAYERS": 13,
+        "VIT.NUM_HEADS": 16, "VIT.HIDDEN_DIM": 1024, "VIT.MLP_DIM": 4096,
+        "OPTIM.BASE_LR": 0.0007, "NUM_GPUS": 32, **_CONV_BN}),
+}  # fmt: skip
+PYCLS_REFERENCES = {
+    f"{ours}.yaml": {
+        key: (value, _PYCLS_SRC + theirs + ".yaml")
+        for key, value in {**_PYCLS_COMMON, **specific}.items()
+    }
+    for ours, (theirs, specific) in _PYCLS.items()
+}
+
 
 def _get(cfg, key):
     node = cfg
@@ -159,20 +227,36 @@ def test_every_deit_config_has_a_reference():
     assert files - NOT_RECIPES == set(REFERENCES)
 
 
-@pytest.mark.parametrize("name", sorted(REFERENCES))
-def test_recipe_matches_its_reference(name):
-    cfg = load_cfg(os.path.join(ROOT, "configs/deit", name), [])
+def _check(folder, name, table):
+    cfg = load_cfg(os.path.join(ROOT, folder, name), [])
     wrong = []
-    for key, (want, source) in REFERENCES[name].items():
+    for key, (want, source) in table.items():
         got = _get(cfg, key)
         same = (
             abs(got - want) <= 1e-3 * abs(want)  # 3 significant digits in the file
             if isinstance(want, float) and not isinstance(want, bool)
-            else got == want
+            else (list(got) if isinstance(want, list) else got) == want
         )
         if not same:
             wrong.append(f"{key}: {got!r}, reference {want!r} ({source})")
     assert wrong == []
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_recipe_matches_its_reference(name):
+    _check("configs/deit", name, REFERENCES[name])
+
+
+def test_every_pycls_config_has_a_reference():
+    files = set(os.listdir(os.path.join(ROOT, "configs/pycls")))
+    assert files == set(PYCLS_REFERENCES)
+
+
+@pytest.mark.parametrize("name", sorted(PYCLS_REFERENCES))
+def test_pycls_recipe_matches_pycls(name):
+    _check("configs/pycls", name, PYCLS_REFERENCES[name])
+    with open(os.path.join(ROOT, "configs/pycls", name)) as f:
+        assert "Source: facebookresearch/pycls, branch vitconfigs" in f.read()
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))
