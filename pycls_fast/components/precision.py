@@ -198,6 +198,7 @@ class LossScaler:
         self._clean: torch.Tensor | None = None  # (1,) int32: clean steps in a row
         self._skipped: torch.Tensor | None = None  # (1,) float32: steps skipped
         self._pending: dict[str, Any] | None = None  # a state loaded before use
+        self._fused_ready: set[int] = set()  # optimizers past a clean first step
 
     def _on(self, device: torch.device) -> None:
         if self._scale is not None and self._scale.device == device:
@@ -274,12 +275,16 @@ class LossScaler:
     ) -> bool:
         """optimizer.step() unless `found_inf` is set. Fused optimizers take the flag
         and skip on the device (torch's GradScaler contract: `found_inf` as an
-        attribute, grads already unscaled); others read it (one host sync). Returns
+        attribute, grads already unscaled) once a clean step has created their
+        state; others, and fused ones until then, read it (one host sync). Returns
         whether the step was taken on the host's knowledge (True for fused)."""
         if found_inf is None:
             optimizer.step()
             return True
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if (
+            getattr(optimizer, "_step_supports_amp_scaling", False)
+            and id(optimizer) in self._fused_ready
+        ):
             optimizer.found_inf = found_inf
             try:
                 optimizer.step()
@@ -289,6 +294,11 @@ class LossScaler:
         if found_inf.item():
             return False
         optimizer.step()
+        # A fused kernel creates its lazy state on its first step (SGD's momentum
+        # with empty_like) and, on found_inf, returns before filling it: the next
+        # step would read garbage as momentum. So fused optimizers skip on the
+        # device only once a clean step has created their state.
+        self._fused_ready.add(id(optimizer))
         return True
 
     def update(self, found_inf: torch.Tensor | None) -> None:
