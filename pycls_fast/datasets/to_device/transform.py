@@ -12,6 +12,7 @@ The pieces are plain functions too: `to_device`, `normalize`, `pca_lighting_offs
 """
 
 import functools
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from yacs.config import CfgNode
+
+logger = logging.getLogger(__name__)
 
 # pycls's ImageNet statistics, in RGB order, in [0, 1] units.
 MEAN = (0.485, 0.456, 0.406)
@@ -281,17 +284,36 @@ class DeviceBatchTransform:
 
     def state_dict(self) -> dict:
         """The random state: {"numpy": the numpy bit generator's state (a dict of str
-        and int), "torch": the torch generator's state (uint8 CPU tensor)}; loads
-        with torch.load(weights_only=True)."""
+        and int), "torch": the torch generator's state (uint8 CPU tensor), "device":
+        its device type ('cpu', 'cuda')}; loads with torch.load(weights_only=True)."""
         return {
             "numpy": self.rng.bit_generator.state,
             "torch": self.generator.get_state(),
+            "device": self.generator.device.type,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores the random state saved by `state_dict`."""
+        """Restores the random state saved by `state_dict`. A torch generator state
+        of another device type (a CPU-written checkpoint resumed on CUDA, or the
+        reverse: the states differ in size) leaves the device generator as seeded,
+        with a log line, as checkpoint/state.py does for the global CUDA RNG."""
         self.rng.bit_generator.state = state["numpy"]
-        self.generator.set_state(state["torch"].to("cpu", torch.uint8))
+        saved = state.get("device")
+        own = self.generator.device.type
+        if saved is not None and saved != own:
+            logger.info(
+                "batch RNG state of the checkpoint not restored (saved on %s, "
+                "running on %s): seeded",
+                saved,
+                own,
+            )
+            return
+        try:
+            self.generator.set_state(state["torch"].to("cpu", torch.uint8))
+        except (RuntimeError, ValueError) as e:  # an untagged, older checkpoint
+            logger.info(
+                "batch RNG state of the checkpoint not restored (%s): seeded", e
+            )
 
     def _random_erase(self, inputs):
         """timm's RandomErasing per image: boxes drawn on the host (a `random.Random`

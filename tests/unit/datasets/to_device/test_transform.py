@@ -213,3 +213,28 @@ def test_bgr_order_is_pycls_loader_input():
     assert test(images, torch.arange(4))[0].is_contiguous(
         memory_format=torch.channels_last
     )
+
+
+@pytest.mark.parametrize("tagged", [True, False], ids=["tagged", "untagged"])
+def test_a_generator_state_of_another_device_leaves_it_as_seeded(tagged, caplog):
+    # A CUDA generator's state is 16 bytes (seed, offset), a CPU generator's 5056:
+    # resuming on CUDA from a CPU-written checkpoint is the same mismatch, the other
+    # way round. Checkpoints from before the device tag carry no "device" key.
+    cfg = _cfg(MIXUP_ALPHA=0.2)
+    images, labels = _images(), torch.tensor([1, 2, 3, 0])
+    saved = DeviceBatchTransform(cfg, "cpu")
+    saved(images, labels)
+    state = saved.state_dict()
+    state["torch"] = torch.zeros(16, dtype=torch.uint8)  # what CUDA's get_state gives
+    if tagged:
+        state["device"] = "cuda"
+    else:
+        state.pop("device", None)
+    expected_mix = saved.rng.bit_generator.state
+    resumed = DeviceBatchTransform(cfg, "cpu", rank=3)
+    seeded = resumed.generator.get_state()
+    with caplog.at_level("INFO"):
+        resumed.load_state_dict(state)
+    assert resumed.rng.bit_generator.state == expected_mix  # the host draws resume
+    assert torch.equal(resumed.generator.get_state(), seeded)  # the device's: seeded
+    assert "not restored" in caplog.text
