@@ -4,19 +4,28 @@
 
 Runs each fork that is not done as `python tools/train_net.py --cfg FORK`, N at a time
 (LAUNCH.PARALLEL_JOBS, or --max-parallel), each in its own OUT_DIR under
-ROOT_DIR/NAME/logs/. With the sweep's LAUNCH.MODE slurm (or submitit_local) each of
-those submits its run as a job (train_net's LAUNCH.MODE, with the sweep's LAUNCH
-resources) and waits for it. Finished runs are skipped, stopped ones resume, failed
-ones are rerun only with --retry-failed. Exit status 1 when a run failed."""
+ROOT_DIR/NAME/logs/. Local runs at once get disjoint GPUs (CUDA_VISIBLE_DEVICES,
+NUM_GPUS of them each), so the GPUs also bound how many run at once. With the
+sweep's LAUNCH.MODE slurm (or submitit_local) each of those submits its run as a
+job (train_net's LAUNCH.MODE, with the sweep's LAUNCH resources) and waits for it.
+Finished runs are skipped, stopped ones resume, failed ones are rerun only with
+--retry-failed. Exit status 1 when a run failed."""
 
 import argparse
 import os
 import sys
 
+from pycls_fast.config import load_cfg
 from pycls_fast.errors import PyclsFastError
 from pycls_fast.launch.cli import run
 from pycls_fast.sweep.config import load_sweep_cfg
-from pycls_fast.sweep.launcher import Job, LocalBackend, job_overrides, launch_sweep
+from pycls_fast.sweep.launcher import (
+    Job,
+    LocalBackend,
+    job_overrides,
+    launch_sweep,
+    visible_gpus,
+)
 from pycls_fast.sweep.setup import load_forks
 
 TRAIN_NET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_net.py")
@@ -45,7 +54,17 @@ def main():
     runs = load_forks(sweep)["runs"]
     parallel = args.max_parallel or sweep.LAUNCH.PARALLEL_JOBS
     launch = sweep.LAUNCH
-    backend = LocalBackend(lambda job: train_command(job, launch), parallel)
+    devices, per_run = [], 1
+    if launch.MODE == "local":
+        # Concurrent local runs each get GPUs of their own (none on a CPU machine).
+        devices = visible_gpus()
+        per_run = max((load_cfg(r["cfg_file"]).NUM_GPUS for r in runs), default=1)
+    backend = LocalBackend(
+        lambda job: train_command(job, launch),
+        parallel,
+        devices=devices,
+        gpus_per_run=per_run,
+    )
     try:
         counts = launch_sweep(runs, backend, args.retry_failed, print)
     except KeyboardInterrupt:

@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pycls_fast.errors import UserError
 from pycls_fast.observe.logging import format_eta
 from pycls_fast.sweep.runs import (
     EXIT_FILE,
@@ -68,7 +69,13 @@ class LocalBackend(Backend):
     """Jobs as subprocesses of this machine, `max_parallel` at a time. Each gets
     OUT_DIR/launch.log (its output) and OUT_DIR/exit_status.json when it ends, and
     OMP_NUM_THREADS = the cores / max_parallel, so parallel runs do not fight over
-    the cores."""
+    the cores.
+
+    `devices` (GPU ids, e.g. `visible_gpus()`): each job gets `gpus_per_run` of them
+    of its own as CUDA_VISIBLE_DEVICES (a run of NUM_GPUS k sees its k GPUs as
+    0..k-1), so runs at once are also bounded by len(devices) // gpus_per_run.
+    Empty or None (a CPU machine, or jobs that only submit to SLURM): no devices
+    are assigned."""
 
     def __init__(
         self,
@@ -76,15 +83,31 @@ class LocalBackend(Backend):
         max_parallel: int = 1,
         env: Mapping[str, str] | None = None,
         poll_s: float = 0.2,
+        devices: Sequence[str] | None = None,
+        gpus_per_run: int = 1,
     ):
         self.command = command
         self.max_parallel = max(1, max_parallel)
+        self.blocks: list[str] = []  # free CUDA_VISIBLE_DEVICES values, one per run
+        if devices:
+            if gpus_per_run > len(devices):
+                raise UserError(
+                    f"a run of NUM_GPUS {gpus_per_run} needs more GPUs than the "
+                    f"{len(devices)} visible here"
+                )
+            k = gpus_per_run
+            self.blocks = [
+                ",".join(map(str, devices[i : i + k]))
+                for i in range(0, len(devices) - k + 1, k)
+            ]
+            self.max_parallel = min(self.max_parallel, len(self.blocks))
         self.env = dict(os.environ if env is None else env)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         self.env.setdefault("OMP_NUM_THREADS", str(max(1, cores // self.max_parallel)))
         self.poll_s = poll_s
         self.queue: collections.deque[Job] = collections.deque()
         self.running: dict[Job, tuple[subprocess.Popen, float, Any]] = {}
+        self.devices_of: dict[Job, str] = {}
 
     def submit(self, jobs: Sequence[Job]) -> None:
         self.queue.extend(jobs)
@@ -98,9 +121,11 @@ class LocalBackend(Backend):
         log = open(os.path.join(job.out_dir, LAUNCH_LOG), "a")  # noqa: SIM115
         log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {command}\n")
         log.flush()
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=self.env
-        )
+        env = self.env
+        if self.blocks:
+            self.devices_of[job] = self.blocks.pop(0)
+            env = {**env, "CUDA_VISIBLE_DEVICES": self.devices_of[job]}
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.running[job] = (proc, time.monotonic(), log)
         return Event(job)
 
@@ -122,6 +147,8 @@ class LocalBackend(Backend):
                     {"exit_code": code, "seconds": round(seconds, 3)},
                 )
                 del self.running[job]
+                if job in self.devices_of:
+                    self.blocks.append(self.devices_of.pop(job))
                 events.append(Event(job, code, seconds))
             if events:
                 return events
@@ -136,6 +163,18 @@ class LocalBackend(Backend):
             proc.wait()
             log.close()
         self.running.clear()
+
+
+def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
+    """The GPU ids this process may hand out: CUDA_VISIBLE_DEVICES's entries when it
+    is set, else 0..n-1 for torch's CUDA device count (none on a CPU machine)."""
+    env = os.environ if env is None else env
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def job_overrides(launch: Mapping[str, Any], job: Job) -> list[str]:
