@@ -1,6 +1,7 @@
 """Exponential moving average (EMA) of the model weights, with pycls's semantics."""
 
 import copy
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -32,11 +33,19 @@ def ema_alpha(cfg: CfgNode, epoch: float) -> float:
 
 
 @torch.no_grad()
-def update_ema(model: nn.Module, ema: nn.Module, alpha: float) -> None:
-    """ema <- (1 - alpha) * ema + alpha * model, over the whole state (buffers too)."""
+def update_ema(
+    model: nn.Module,
+    ema: nn.Module,
+    alpha: float,
+    state: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """ema <- (1 - alpha) * ema + alpha * model, over the whole state (buffers too).
+    `state`: the model's state to follow in place of model.state_dict(), in its
+    order (AMP O2 without FSDP: the fp32 masters, MasterWeights.fp32_state)."""
     # FSDP: both are sharded alike, so each rank updates its own shards.
     ema_tensors = [local_tensor(t) for t in ema.state_dict().values()]
-    tensors = [local_tensor(t) for t in model.state_dict().values()]
+    state = model.state_dict() if state is None else state
+    tensors = [local_tensor(t) for t in state.values()]
     floats = [(e, t) for e, t in zip(ema_tensors, tensors) if e.is_floating_point()]
     if floats:
         es, ts = zip(*floats)

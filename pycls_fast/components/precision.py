@@ -29,11 +29,16 @@ def apply_backend_flags(cfg: CfgNode) -> None:
     convolutions in TF32 (AMP.TF32) or IEEE fp32, and cuDNN autotuning
     (CUDNN.BENCHMARK). Harmless on a CPU (the flags concern CUDA only).
 
-    Uses torch's `fp32_precision` settings, not the legacy `allow_tf32` flags: torch
-    refuses to read a flag once both APIs were used in one process."""
-    precision = "tf32" if cfg.AMP.TF32 else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = precision
-    torch.backends.cudnn.conv.fp32_precision = precision
+    Matmuls go through torch.set_float32_matmul_precision, which sets the CUDA
+    matmul's `fp32_precision` and keeps torch.get_float32_matmul_precision()
+    readable (inductor's max-autotune reads it; setting only the backend flag made
+    it raise). The CPU's (oneDNN) matmul setting is kept as it was: CPU math does
+    not change. Convolutions: cuDNN's `fp32_precision`. No legacy `allow_tf32` flag
+    is touched: torch refuses to read a flag once both APIs were used."""
+    cpu_matmul = torch.backends.mkldnn.matmul.fp32_precision
+    torch.set_float32_matmul_precision("high" if cfg.AMP.TF32 else "highest")
+    torch.backends.mkldnn.matmul.fp32_precision = cpu_matmul
+    torch.backends.cudnn.conv.fp32_precision = "tf32" if cfg.AMP.TF32 else "ieee"
     torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
 
 
@@ -137,21 +142,40 @@ class MasterWeights:
         self._pairs = [
             (m, p) for m, p in zip(self.master_params, self.model_params) if m is not p
         ]
+        # fp32 gradient buffers of the masters, made at the first step: the
+        # optimizer's zero_grad(set_to_none) drops the masters' .grad each step.
+        self._grads: list[torch.Tensor] | None = None
 
     def master_for(self, param: nn.Parameter) -> torch.Tensor:
         """The fp32 parameter the optimizer should update in place of `param`."""
         return self._by_param[id(param)]
 
+    def fp32_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """`model`'s state dict with each half-precision parameter replaced by its
+        fp32 master (what the EMA follows: an EMA of the bf16 roundings would
+        lose the master's low bits)."""
+        state = model.state_dict(keep_vars=True)
+        return {k: self._by_param.get(id(t), t).detach() for k, t in state.items()}
+
     @torch.no_grad()
     def grads_to_master(self) -> None:
-        """Copies the model's half-precision grads to the master params (as fp32)."""
-        for m, p in self._pairs:
-            if p.grad is None:
-                m.grad = None
-            elif m.grad is None:
-                m.grad = p.grad.float()
-            else:
-                m.grad.copy_(p.grad)
+        """Copies the model's half-precision grads to the master params (as fp32) in
+        one multi-tensor kernel and drops the model's."""
+        if not self._pairs:
+            return
+        halves = [p.grad for _, p in self._pairs]
+        if any(g is None for g in halves):
+            # A parameter without a gradient (unused in this forward): its master
+            # gets none either, so the optimizer leaves it alone.
+            for m, p in self._pairs:
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+            return
+        if self._grads is None:
+            self._grads = [torch.empty_like(m) for m, _ in self._pairs]
+        torch._foreach_copy_(self._grads, halves)
+        for (m, p), g in zip(self._pairs, self._grads):
+            m.grad = g
             p.grad = None
 
     @torch.no_grad()

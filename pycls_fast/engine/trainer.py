@@ -572,7 +572,9 @@ def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
         else:
             _step_without_images(parts)
         if parts.ema is not None and (it + 1) % cfg.OPTIM.EMA_UPDATE_PERIOD == 0:
-            update_ema(parts.model, parts.ema, ema_alpha(cfg, epoch))
+            # O2 without FSDP: the EMA follows the fp32 masters, not bf16 roundings.
+            masters = parts.master.fp32_state(parts.model) if parts.master else None
+            update_ema(parts.model, parts.ema, ema_alpha(cfg, epoch), masters)
         if bar is not None:
             bar.update(1)
         if (it + 1) % cfg.LOG_PERIOD == 0:

@@ -1,10 +1,13 @@
-"""fp16 loss scaling's skipped steps (components/precision.py): a step skipped for an
+"""components/precision.py: fp16 loss scaling's skipped steps (a step skipped for an
 overflow leaves the weights and the optimizer state exactly as they were, for every
-optimizer the project offers, whether it skips on the host or in a fused kernel."""
+optimizer the project offers, whether it skips on the host or in a fused kernel),
+O2's gradient copy to the masters, and the TF32 flags."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from pycls_fast.components.precision import apply_backend_flags, fp32_math
 from pycls_fast.engine.trainer import build_components, train_step
 from tests.helpers import tiny_cfg
 
@@ -87,3 +90,74 @@ def test_a_skipped_step_changes_nothing(name, mta, at):
         assert not _step(skipped, SCALE)
     # The clean steps after the skipped one are those of a run that never overflowed.
     _assert_same(_snapshot(skipped), _snapshot(clean))
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten operators run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_grads_to_master_is_one_multi_tensor_copy():
+    # O2: the model's bf16 grads become the masters' fp32 grads in one kernel per
+    # step, not one per parameter (a tiny ViT has 30 parameters).
+    parts = _parts_o2()
+    params = [p for _, p in parts.master._pairs]
+    assert len(params) >= 20
+    for step in range(2):
+        for i, p in enumerate(params):
+            p.grad = torch.full_like(p, 1.0 + 2.0**-7 * i + step)
+        expected = [p.grad.float() for p in params]
+        with _CountOps() as count:
+            parts.master.grads_to_master()
+        if step == 1:  # the first step makes the fp32 buffers
+            assert count.ops == ["aten._foreach_copy_.default"], count.ops
+        for p, e in zip(params, expected):
+            m = parts.master.master_for(p)
+            assert p.grad is None and m.grad.dtype == torch.float32
+            assert torch.equal(m.grad, e)
+        parts.optimizer.zero_grad(set_to_none=True)
+    # A parameter without a gradient leaves its master without one.
+    params[0].grad = None
+    for p in params[1:]:
+        p.grad = torch.ones_like(p)
+    parts.master.grads_to_master()
+    assert parts.master.master_for(params[0]).grad is None
+    assert torch.equal(
+        parts.master.master_for(params[1]).grad,
+        torch.ones_like(params[1], dtype=torch.float32),
+    )
+
+
+def _parts_o2():
+    cfg = tiny_cfg("AMP.MODE", "O2", "AMP.DTYPE", "bf16")
+    return build_components(cfg, loaders=False)
+
+
+@pytest.mark.parametrize("tf32, name", [(True, "high"), (False, "highest")])
+def test_tf32_keeps_the_matmul_precision_readable(tf32, name):
+    # inductor's max-autotune calls torch.get_float32_matmul_precision(); it raised
+    # once only the backend's fp32_precision was set.
+    saved = (
+        torch.get_float32_matmul_precision(),
+        torch.backends.mkldnn.matmul.fp32_precision,
+        torch.backends.cudnn.conv.fp32_precision,
+        torch.backends.cudnn.benchmark,
+    )
+    try:
+        apply_backend_flags(tiny_cfg("AMP.TF32", str(tf32)))
+        assert torch.get_float32_matmul_precision() == name
+        assert fp32_math() == ("tf32" if tf32 else "ieee")
+        # The CPU's matmuls keep their math.
+        assert torch.backends.mkldnn.matmul.fp32_precision == saved[1]
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.mkldnn.matmul.fp32_precision = saved[1]
+        torch.backends.cudnn.conv.fp32_precision = saved[2]
+        torch.backends.cudnn.benchmark = saved[3]

@@ -227,3 +227,22 @@ def test_a_batch_of_only_bad_images_is_skipped(digits, tmp_path):
         train_step(plain, inputs, targets)
     for a, b in zip(with_empty.model.parameters(), plain.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_o2_ema_follows_the_fp32_master_weights(digits, tmp_path):
+    # AMP O2 without FSDP (one process, as under DDP): the EMA is updated from the
+    # optimizer's fp32 masters. In warmup the EMA copies them (alpha 1), so it must
+    # equal them exactly, not their bf16 roundings.
+    cfg = _cfg(
+        digits, tmp_path, "AMP.MODE", "O2", "AMP.DTYPE", "bf16",
+        "OPTIM.EMA_ALPHA", "1e-5", "OPTIM.EMA_UPDATE_PERIOD", "1",
+        "OPTIM.WARMUP_EPOCHS", "2",
+    )  # fmt: skip
+    seed_everything(0)
+    parts = build_components(cfg, loaders=("train",))
+    train_epoch(parts, 0)
+    weight = parts.model.head.head_fc.weight
+    assert weight.dtype == torch.bfloat16
+    master = parts.master.master_for(weight)
+    assert not torch.equal(master, weight.float())  # the masters' low bits differ
+    assert torch.equal(parts.ema.head.head_fc.weight, master)
