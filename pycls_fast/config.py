@@ -1589,16 +1589,39 @@ def _finish(cfg: CfgNode, explicit: set[str]) -> CfgNode:
     return cfg
 
 
-def load_cfg(path: str | None = None, opts: Sequence[str] = ()) -> CfgNode:
+def load_cfg(
+    path: str | None = None, opts: Sequence[str] = (), world_size: int | None = None
+) -> CfgNode:
     """Returns the default config merged with the file at `path` and the `KEY VALUE`
     overrides `opts`, with pycls's aliases resolved, checked and frozen.
+
+    `world_size`: the processes a launcher started (torchrun's or SLURM's
+    WORLD_SIZE, known to the launch layer). It wins over the config's NUM_GPUS
+    (one log line says so when the config set another value), before the checks
+    that depend on the number of ranks (batch splits, PP x DP x TP) run.
 
     Raises ConfigError (a ValueError) with one line naming the bad key or file.
     """
     cfg = get_cfg()
     explicit = merge_from_file(cfg, path) if path else set()
     explicit |= merge_from_list(cfg, list(opts))
+    if world_size is not None:
+        explicit |= use_world_size(cfg, explicit, world_size)
     return _finish(cfg, explicit)
+
+
+def use_world_size(cfg: CfgNode, explicit: set[str], world_size: int) -> set[str]:
+    """Sets NUM_GPUS of the unfrozen `cfg` to the launcher's `world_size`, with one
+    log line (rank 0) when the config had set another value; returns the keys set."""
+    if "NUM_GPUS" in explicit and world_size != cfg.NUM_GPUS:
+        _warn_once(
+            "NUM_GPUS",
+            f"NUM_GPUS {cfg.NUM_GPUS} of the config is replaced by the launcher's "
+            f"world size, {world_size} processes (torchrun / SLURM); batch sizes "
+            "are global and split over them",
+        )
+    cfg.NUM_GPUS = world_size
+    return {"NUM_GPUS"}
 
 
 def with_overrides(cfg: CfgNode, overrides: Mapping[str, Any]) -> CfgNode:

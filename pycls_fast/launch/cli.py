@@ -13,7 +13,7 @@ from pycls_fast.checkpoint.files import resolve_weights
 from pycls_fast.checkpoint.retention import best_checkpoint
 from pycls_fast.config import load_cfg
 from pycls_fast.errors import UserError, error_line, exit_code
-from pycls_fast.launch.processes import exit_process
+from pycls_fast.launch.processes import exit_process, under_torchrun
 
 # Where `--run OUT_DIR` evaluations write their log: beside, not over, the run's.
 EVAL_DIR = "eval"
@@ -87,18 +87,25 @@ def run_opts(args) -> list:
 
 
 def cfg_from_args(args):
-    """Loads and checks the config named by parsed `args` (raises ConfigError);
-    with `--run OUT_DIR`, the run's config.yaml (unless --cfg is given) and, for
-    tools made with `best=True`, its checkpoint; KEY VALUE overrides apply last."""
+    """Loads and checks the config named by parsed `args` (raises ConfigError), at
+    the launcher's world size under torchrun (it replaces NUM_GPUS); with `--run
+    OUT_DIR`, the run's config.yaml (unless --cfg is given) and, for tools made
+    with `best=True`, its checkpoint; KEY VALUE overrides apply last."""
     run_dir = getattr(args, "run", None)
     require_config(args)
     if not run_dir:
         if getattr(args, "best", False):
             raise UserError("--best needs --run OUT_DIR")
-        return load_cfg(args.cfg_file, args.opts or [])
+        return load_cfg(args.cfg_file, args.opts or [], launcher_world_size())
     path = args.cfg_file or run_config_file(run_dir)
     before = run_opts(args) if hasattr(args, "best") else []
-    return load_cfg(path, before + list(args.opts or []))
+    return load_cfg(path, before + list(args.opts or []), launcher_world_size())
+
+
+def launcher_world_size() -> int | None:
+    """torchrun's (or SLURM's torchrun-like) WORLD_SIZE when a launcher started this
+    process, else None: the config's NUM_GPUS then says how many to start."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
 
 
 def run(main: Callable[[], int | None]) -> None:

@@ -97,16 +97,25 @@ def init_single_process_group(cfg: CfgNode) -> None:
 
 
 def _match_world_size(cfg, world):
-    """Under torchrun the world size is torchrun's: NUM_GPUS must be 1 (the default)
-    or equal to it. Returns the config with NUM_GPUS set to it (batch sizes are then
-    checked against it)."""
-    if cfg.NUM_GPUS not in (1, world):
-        raise ConfigError(
-            f"NUM_GPUS ({cfg.NUM_GPUS}) does not match torchrun's WORLD_SIZE "
-            f"({world}): leave NUM_GPUS at 1 under torchrun, or set it to the world "
-            "size"
+    """Under torchrun (or SLURM) the world size is the launcher's: it wins over the
+    config's NUM_GPUS (one log line when they differ; tools load the config at this
+    size already: launch/cli.py). Returns the config with NUM_GPUS set to it, checked
+    again (batch splits, PP x DP x TP) at this size."""
+    if world == cfg.NUM_GPUS:
+        return cfg
+    if cfg.NUM_GPUS != 1 and _rank_0_of_launcher():
+        logging.getLogger(__name__).warning(
+            "warning: NUM_GPUS %d of the config is replaced by the launcher's world "
+            "size, %d processes",
+            cfg.NUM_GPUS,
+            world,
         )
     return with_overrides(cfg, {"NUM_GPUS": world})
+
+
+def _rank_0_of_launcher() -> bool:
+    """Whether this process is rank 0 of the launcher's (before any group exists)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _free_port(cfg):

@@ -287,18 +287,45 @@ def test_mismatched_configs_across_ranks_are_refused():
     assert e.value.exit_code == 2
 
 
-def test_num_gpus_must_match_torchrun_world_size(monkeypatch):
+def test_the_launchers_world_size_wins_over_num_gpus(caplog):
     cfg = load_cfg(None, [*TINY, "NUM_GPUS", "4", "TRAIN.BATCH_SIZE", "16"])
-    with pytest.raises(ConfigError, match="NUM_GPUS \\(4\\) does not match"):
-        launch._match_world_size(cfg, 2)
+    with caplog.at_level("WARNING"):
+        matched = launch._match_world_size(cfg, 2)
+    assert matched.NUM_GPUS == 2 and cfg.NUM_GPUS == 4  # a new config, checked
+    assert "NUM_GPUS 4 of the config is replaced by the launcher's world size, 2" in (
+        caplog.text
+    )
+    # The checks that depend on the ranks run at the launcher's size.
     cfg = load_cfg(None, [*TINY, "TRAIN.BATCH_SIZE", "15", "TEST.BATCH_SIZE", "16"])
     with pytest.raises(
         ConfigError, match="TRAIN.BATCH_SIZE \\(15\\) must be divisible"
     ):
         launch._match_world_size(cfg, 2)
-    cfg = load_cfg(None, [*TINY, "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "16"])
-    matched = launch._match_world_size(cfg, 2)
-    assert matched.NUM_GPUS == 2 and cfg.NUM_GPUS == 1  # a new config, checked
+
+
+def test_torchrun_trains_a_config_that_says_num_gpus_8(digits, tmp_path):
+    # docs/DISTRIBUTED.md's multi-node command (ViT-H-14.yaml says NUM_GPUS 8) at a
+    # reduced size: torchrun's 2 processes win over NUM_GPUS, with one log line.
+    cmd = [
+        *TORCHRUN, "--nproc_per_node", "2", TRAIN_NET,
+        "--cfg", os.path.join(ROOT, "configs/vit/ViT-H-14.yaml"),
+        "FSDP.ENABLED", "True", "OUT_DIR", str(tmp_path),
+        "DATA.PATH", digits, "MODEL.NUM_CLASSES", "10",
+        "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "VIT.PATCH_SIZE", "4",
+        "VIT.NUM_LAYERS", "2", "VIT.HIDDEN_DIM", "32", "VIT.NUM_HEADS", "2",
+        "VIT.MLP_DIM", "64", "TRAIN.BATCH_SIZE", "128", "TEST.BATCH_SIZE", "200",
+        "OPTIM.MAX_EPOCH", "1", "OPTIM.WARMUP_EPOCHS", "0",
+        "DATA_LOADER.NUM_WORKERS", "1", "LOG_PERIOD", "1",
+    ]  # fmt: skip
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = "NUM_GPUS 8 of the config is replaced by the launcher's world size, 2"
+    assert result.stderr.count(line) == 1, result.stderr[-3000:]
+    records = load_json_stats(os.path.join(tmp_path, "stdout.log"))
+    assert len(_losses(records)) == 11  # 1,437 images / global batch 128
+    assert _final_test(records)["top1_err"] < 100.0
 
 
 def _ranks(parent):
