@@ -961,7 +961,8 @@ _key("DESC", "")
 # If True output additional info to the log
 _key("VERBOSE", True)
 
-# Number of processes (devices) to use; outside torchrun, N local processes are spawned
+# Number of processes (devices) to use; outside torchrun, N local processes are spawned;
+# under torchrun its world size replaces this value (docs/DISTRIBUTED.md)
 _key("NUM_GPUS", 1, gt=0)
 
 # Maximum number of GPUs per node (pycls): a SLURM job of NUM_GPUS ranks gets
