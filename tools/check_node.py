@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Checks a new node before the first real run: one line per check, with a verdict.
 
-    python tools/check_node.py [--cfg FILE] [--steps N] [--json]
+    python tools/check_node.py [--cfg FILE] [--steps N] [--json] [--checks a,b]
+        [KEY VALUE ...]
 
 Checks: the device inventory; a short training in each AMP mode against fp32 (final
 losses within --tolerance, relative); DDP against FSDP on all local devices (two gloo
 processes on a CPU); all-reduce bus bandwidth (NCCL on GPUs, gloo on CPUs); the matmul
 peak per dtype; the loader's images/s against what the training step of --cfg asks
-for. Each line ends in `ok`, `warning` (with the fix) or `skipped` (with why). With
---json the last line is one JSON object: {"rows": [{check, result, verdict, fix}]}.
+for (one rank's step: its share of the global batch, TP and PP folded into one
+process, FSDP in a one-process group). Each line ends in `ok`, `warning` (with the
+fix) or `skipped` (with why). With --json the last line is one JSON object:
+{"rows": [{check, result, verdict, fix}]}.
 """
 
 import argparse
@@ -40,6 +43,9 @@ TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
 # The training checks use a tiny fixed model whatever --cfg says.
 TINY = ["TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "16", "DATA.PATH", "",
         "OPTIM.WARMUP_EPOCHS", "0", "NUM_GPUS", "1"]  # fmt: skip
+
+
+CHECKS = ("device", "amp", "parallel", "matmul", "loader")
 
 
 def _row(check, result, verdict="ok", fix=""):
@@ -146,18 +152,45 @@ def check_matmul(device):
     return rows
 
 
-def check_loader(cfg, cfg_file, steps):
-    """The loader's images/s against the training step's demand (this config)."""
+def one_rank_cfg(cfg):
+    """The config of one data-parallel rank of `cfg`'s job, as one process: its
+    share of the global TRAIN / TEST.BATCH_SIZE (over NUM_GPUS / (TP x PP) ranks),
+    NUM_GPUS 1, and TP and PP 1 (one process holds no layer or stage split: the
+    step is timed whole). FSDP stays as the config says (a one-process group)."""
+    dp = cfg.NUM_GPUS // (cfg.PARALLEL.TP * cfg.PARALLEL.PP)
+    return with_overrides(
+        cfg,
+        {
+            "NUM_GPUS": 1,
+            "PARALLEL.TP": 1,
+            "PARALLEL.PP": 1,
+            "PARALLEL.AUTO": False,
+            "TRAIN.BATCH_SIZE": cfg.TRAIN.BATCH_SIZE // dp,
+            "TEST.BATCH_SIZE": cfg.TEST.BATCH_SIZE // dp,
+        },
+    )
+
+
+def _loader_rates(cfg, steps):
+    """(step demand in img/s, loader img/s, where it read): on one rank's batch."""
     seed_everything(cfg.RNG_SEED)
     parts = build_components(cfg, loaders=False)
     batch = cfg.TRAIN.BATCH_SIZE
     train = timing.time_train(parts, batch, 1, steps, budget_s=20.0)
-    demand = batch / train["step_s"]
     rate, on = loader_throughput(cfg, 2, budget_s=20.0)
+    return batch / train["step_s"], rate, on
+
+
+def check_loader(cfg, cfg_file, steps):
+    """One rank's loader images/s against its training step's demand (this config,
+    at its per-rank batch; FSDP configs in a one-process group, via launch)."""
+    rank_cfg = one_rank_cfg(cfg)
+    demand, rate, on = launch(functools.partial(_loader_rates, steps=steps), rank_cfg)
     ok = rate >= 1.2 * demand
     return [
         _row(
-            f"loader vs step demand ({os.path.basename(cfg_file)})",
+            f"loader vs step demand ({os.path.basename(cfg_file)}, "
+            f"{rank_cfg.TRAIN.BATCH_SIZE} images per rank)",
             f"{rate:.0f} img/s on {on} vs {demand:.0f} img/s demand",
             "ok" if ok else "warning",
             ""
@@ -181,27 +214,45 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="training steps")
     parser.add_argument("--tolerance", type=float, default=0.05)
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--checks",
+        default=",".join(CHECKS),
+        help=f"the checks to run, of {','.join(CHECKS)} (default: all)",
+    )
+    parser.add_argument(
+        "opts", nargs="*", help="overrides of --cfg (the loader check): KEY VALUE ..."
+    )
+    args = parser.parse_intermixed_args()
     if args.steps < 1:
         raise UserError("--steps must be >= 1")
+    chosen = [c for c in args.checks.split(",") if c]
+    unknown = [c for c in chosen if c not in CHECKS]
+    if unknown:
+        raise UserError(f"--checks: unknown {unknown[0]!r}; known: {','.join(CHECKS)}")
     tiny = load_cfg(TINY_CFG, TINY)
-    cfg = load_cfg(args.cfg_file, ["DATA.PATH", ""])
+    cfg = load_cfg(args.cfg_file, ["DATA.PATH", "", *args.opts])
     apply_backend_flags(tiny)
     device = distributed.device()
     reason = cuda_unusable_reason()
-    rows = [
-        _row(
-            "device",
-            describe_device(device),
-            "warning" if reason else "ok",
-            reason or "",
+    rows = []
+    if "device" in chosen:
+        rows.append(
+            _row(
+                "device",
+                describe_device(device),
+                "warning" if reason else "ok",
+                reason or "",
+            )
         )
-    ]
-    rows += check_amp(tiny, args.steps, args.tolerance)
-    rows += check_parallel(tiny, args.steps)
-    rows += check_matmul(device)
-    rows += check_loader(cfg, args.cfg_file, args.steps)
-    if device.type == "cpu":
+    if "amp" in chosen:
+        rows += check_amp(tiny, args.steps, args.tolerance)
+    if "parallel" in chosen:
+        rows += check_parallel(tiny, args.steps)
+    if "matmul" in chosen:
+        rows += check_matmul(device)
+    if "loader" in chosen:
+        rows += check_loader(cfg, args.cfg_file, args.steps)
+    if device.type == "cpu" and "device" in chosen:
         rows.append(
             _row("GPU checks", "skipped", "skipped", "no GPU: NCCL, TF32, GPU memory")
         )

@@ -189,6 +189,26 @@ def test_bench_loader_runs_every_mode_on_the_same_images(tmp_path):
     assert "| threads |" in result.stdout and "| processes |" in result.stdout
 
 
+def test_check_node_times_one_rank_of_a_sharded_config():
+    # ViT-22B-14.yaml (FSDP, NUM_GPUS 512) laid out as in docs/DISTRIBUTED.md (PP 2 x
+    # TP 4), shrunk: one rank's step at its share of the global batch (1024 / 64
+    # data-parallel ranks), in a one-process group. It crashed before (no process
+    # group for FSDP; the TP / PP mesh of one process) and timed the global batch.
+    result = run_tool(
+        "check_node.py", "--cfg", "configs/vit/ViT-22B-14.yaml", "--checks", "loader",
+        "--steps", "1", "--json", "PARALLEL.TP", "4", "PARALLEL.PP", "2",
+        "TRAIN.IM_SIZE", "32", "TEST.IM_SIZE", "32", "VIT.PATCH_SIZE", "8",
+        "VIT.HIDDEN_DIM", "48", "VIT.NUM_HEADS", "4", "VIT.MLP_DIM", "96",
+        "VIT.NUM_LAYERS", "2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
+    assert [r["check"] for r in rows] == [
+        "loader vs step demand (ViT-22B-14.yaml, 16 images per rank)"
+    ]
+    assert rows[0]["verdict"] in ("ok", "warning")
+
+
 def test_check_node_on_cpu_reports_every_check():
     result = run_tool("check_node.py", "--steps", "2", "--json")
     assert result.returncode == 0, result.stderr
