@@ -22,6 +22,9 @@ from pycls_fast.config import with_overrides
 from pycls_fast.engine.trainer import (
     build_components,
     checkpoint_epoch_label,
+    eval_forward,
+    pad_sharded_forwards,
+    planned_forwards,
     prepare_test,
     test_epoch,
 )
@@ -61,9 +64,11 @@ def real_top1_err(parts, model, real: list[list[int]]) -> tuple[float, int]:
     loader = parts.test_loader
     index = loader.decoder.index
     plan = iter(loader.plan(0))
-    correct, counted = 0, 0
+    correct, counted, forwards = 0, 0, 0
+    size = parts.cfg.TEST.BATCH_SIZE // parts.layout.dp
     model.eval()
     loader.set_epoch(0)
+    most = planned_forwards(parts)
     for images, _ in loader:
         bad = {path for path, _ in loader.bad_images}
         for batch in plan:  # a batch of only bad images was not yielded
@@ -71,8 +76,14 @@ def real_top1_err(parts, model, real: list[list[int]]) -> tuple[float, int]:
             if good:
                 break
         inputs, _ = parts.test_prep(images, torch.zeros(len(images), dtype=torch.long))
+        # test_epoch's path: through the pipeline under PP (logits on the last
+        # stage only), and as many forwards on every rank under FSDP (below).
         with torch.no_grad(), autocast(parts.device.type, parts.mode, parts.half_dtype):
-            preds = model(inputs).argmax(dim=1).tolist()
+            logits = eval_forward(parts, model, inputs, size)
+        forwards += 1
+        if logits is None or not parts.reports_metrics:
+            continue  # another rank of this replica counts these images
+        preds = logits.argmax(dim=1).tolist()
         for i, pred in zip(good, preds, strict=True):
             match = _VAL_NUMBER.search(os.path.basename(index.path(i)))
             if match is None:
@@ -84,6 +95,8 @@ def real_top1_err(parts, model, real: list[list[int]]) -> tuple[float, int]:
             if labels:
                 counted += 1
                 correct += pred in labels
+    with torch.no_grad():
+        pad_sharded_forwards(parts, model, forwards, most)
     correct, counted = distributed.all_reduce_sum([correct, counted])
     return 100.0 * (1.0 - correct / max(counted, 1)), int(counted)
 

@@ -649,13 +649,22 @@ def eval_forward(parts, model, inputs, size=None):
     return runner.evaluate(inputs, size or len(inputs))
 
 
-def _pad_sharded_forwards(parts, model, done):
-    """FSDP: every rank must run as many forwards as the others (each gathers the
-    parameters with collectives), but test shards may differ by one batch; ranks
-    short of the most run forwards on a blank image, whose output is dropped."""
+def planned_forwards(parts):
+    """FSDP: the most test batches any rank plans to run (every rank must run as
+    many forwards: each gathers the parameters with collectives). Agreed on before
+    the first forward: a reduction after the loop would meet a longer rank's
+    all-gather and hang. None without FSDP."""
     if not fsdp_enabled(parts.cfg):
+        return None
+    return int(distributed.all_reduce_max([float(len(parts.test_loader))])[0])
+
+
+def pad_sharded_forwards(parts, model, done, most):
+    """FSDP: test shards may differ by one batch (and a batch of only bad images is
+    not yielded); a rank that ran `done` forwards of the `most` (planned_forwards)
+    runs the rest on a blank image, whose output is dropped."""
+    if most is None:
         return
-    most = int(distributed.all_reduce_max([float(done)])[0])
     size = parts.cfg.TRAIN.IM_SIZE
     dtype = input_dtype(parts.mode, parts.half_dtype)
     blank = torch.zeros(1, 3, size, size, dtype=dtype, device=parts.device)
@@ -676,6 +685,7 @@ def test_epoch(parts, model, epoch, kind="test_epoch", label=None, extra=None):
     # The EMA is kept in fp32 (components/ema.py): under O3 it runs autocast like O2.
     mode = AmpMode.O2 if parts.mode is AmpMode.O3 and model is parts.ema else parts.mode
     size = cfg.TEST.BATCH_SIZE // parts.layout.dp
+    most = planned_forwards(parts)
     for inputs, labels in parts.test_batches:
         if not len(labels):
             continue
@@ -687,7 +697,7 @@ def test_epoch(parts, model, epoch, kind="test_epoch", label=None, extra=None):
         loss = F.cross_entropy(logits.float(), labels)
         top1, top5 = topk_errors(logits.float(), labels)
         meter.add(loss, top1, top5, len(labels) if parts.reports_metrics else 0)
-    _pad_sharded_forwards(parts, model, meter.iters)
+    pad_sharded_forwards(parts, model, meter.iters, most)
     stats = meter.summary()
     record = {
         "_type": kind,

@@ -95,3 +95,41 @@ def test_sizes_splits_and_real_labels_in_one_run(digits, tmp_path):
     exact.write_text(json.dumps([[t] for t in truth]))
     _, rec = _eval(root, weights, tmp_path / "exact", "TEST.REAL_LABELS", str(exact))
     assert abs(rec[0]["real_top1_err"] - rec[0]["top1_err"]) < 1e-9
+
+
+def test_real_labels_under_pipeline_and_fsdp_with_unequal_shares(digits, tmp_path):
+    # 33 test images over 2 ranks at 4 a batch: shares of 17 and 16 images, 5 and 4
+    # batches. ReaL went around the pipeline (a crash under PP) and FSDP's ranks ran
+    # unequal forwards (a hang). Both must give the one process's ReaL error.
+    root = tmp_path / "data"
+    root.mkdir()
+    truth = _imagenet_like(digits, str(root))
+    # 33 of them, every class kept (the folder is in class order).
+    kept = {1 + round(k * (len(truth) - 1) / 32) for k in range(33)}
+    for cls in os.listdir(root / "val"):
+        for name in os.listdir(root / "val" / cls):
+            if int(name.split("_")[-1].split(".")[0]) not in kept:
+                os.remove(root / "val" / cls / name)
+    torch.manual_seed(0)
+    small = [*SMALL, "VIT.NUM_LAYERS", "2", "TEST.BATCH_SIZE", "8"]
+    model = build_model(load_cfg(DIGITS_CFG, small))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.3)
+    weights = str(tmp_path / "w.pyth")
+    torch.save(model.state_dict(), weights)
+    real = [[t] if k % 5 else [t, (t + 1) % 10] for k, t in enumerate(truth)]
+    real_path = tmp_path / "real.json"
+    real_path.write_text(json.dumps(real))
+    opts = ["VIT.NUM_LAYERS", "2", "TEST.BATCH_SIZE", "8",
+            "TEST.REAL_LABELS", str(real_path), "DIST.TIMEOUT_S", "60"]  # fmt: skip
+    _, (one,) = _eval(root, weights, tmp_path / "one", *opts)
+    assert one["real_images"] == 33 and one["images"] == 33
+    for name, layout in (
+        ("pp2", ["NUM_GPUS", "2", "PARALLEL.PP", "2"]),
+        ("fsdp2", ["NUM_GPUS", "2", "FSDP.ENABLED", "True"]),
+    ):
+        _, (rec,) = _eval(root, weights, tmp_path / name, *opts, *layout)
+        assert rec["real_images"] == 33, name
+        assert rec["real_top1_err"] == one["real_top1_err"], name
+        assert rec["top1_err"] == one["top1_err"], name
