@@ -77,6 +77,7 @@ from pycls_fast.parallel.data_parallel import (
     fsdp_enabled,
     parallelize,
     shard_model,
+    sharded_checkpoints,
     unwrap,
 )
 from pycls_fast.parallel.mesh import Layout, build_mesh
@@ -759,8 +760,9 @@ def resolve_channel_order(cfg: CfgNode, weights: str) -> CfgNode:
 
 def _upload_checkpoint(cfg, remote, path):
     """Uploads the checkpoint just written at `path` (rank 0's; None elsewhere): a
-    sharded one by every rank, its own part, then completed by rank 0."""
-    if fsdp_enabled(cfg):
+    sharded one (FSDP, TP or PP: sharded_checkpoints) by every rank, its own part,
+    then completed by rank 0."""
+    if sharded_checkpoints(cfg):
         path = distributed.broadcast_object(path)
         remote.push_checkpoint(path, distributed.rank(), distributed.is_main())
         distributed.barrier()

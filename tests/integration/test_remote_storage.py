@@ -187,3 +187,31 @@ def test_sharded_checkpoints_of_two_fsdp_ranks_on_s3(s3, tmp_path):
     assert "resumed from" in out
     fs.invalidate_cache()
     assert fs.exists(f"{BUCKET}/fsdp_run/checkpoints/model_epoch_0003.dcp/.metadata")
+
+
+def test_pipeline_checkpoints_without_fsdp_arrive_whole_on_s3(s3, tmp_path):
+    # PP 2 without FSDP writes sharded checkpoints too: every rank's part and the
+    # .metadata must reach the store (only rank 0 uploaded, a file, before).
+    folder = make_image_folder(
+        str(tmp_path / "folder"), num_classes=4, images_per_class=8, size=(48, 40)
+    )
+    data = f"s3://{BUCKET}/pp_data"
+    pack = _tool("pack_dataset.py", "--data", folder, "--out", data,
+                 "--shard-mb", "0.01", env=s3)  # fmt: skip
+    out, _ = pack.communicate(timeout=120)
+    assert pack.returncode == 0, out
+    args = _train_args(f"s3://{BUCKET}/pp_run", str(tmp_path / "mirror"))
+    args[args.index("OPTIM.MAX_EPOCH") + 1] = "1"
+    args[args.index("NUM_GPUS") + 1] = "2"
+    args[args.index("DATA.PATH") + 1] = data
+    proc = _tool("train_net.py", *args, "PARALLEL.PP", "2", env=s3)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    fs = _fs()
+    fs.invalidate_cache()
+    parts = {
+        os.path.basename(p)
+        for p in fs.find(f"{BUCKET}/pp_run/checkpoints/model_epoch_0001.dcp")
+    }
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= parts, parts
+
