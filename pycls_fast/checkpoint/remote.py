@@ -30,8 +30,10 @@ from pycls_fast.checkpoint.retention import BEST_FILE, read_best, to_delete
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
-# What stays in the mirror: the lock, write probes, the local index cache.
-_LOCAL_ONLY = (".lock", ".write_test", "data_index/")
+# A job's marker that rank 0's node pulled into a mirror (engine/trainer.py).
+PULLED_MARKER = ".pulled_"
+# What stays in the mirror: the lock, write probes, the local index cache, markers.
+_LOCAL_ONLY = (".lock", ".write_test", "data_index/", PULLED_MARKER)
 
 
 def mirror_dir(url: str, base: str = "") -> str:

@@ -84,8 +84,10 @@ def save(
     rank's own state (RNG states); both tensors and plain values only (they are
     loaded with weights_only)."""
     tmp = path + ".tmp"
-    if distributed.is_main() and os.path.exists(tmp):
-        shutil.rmtree(tmp)  # a leftover of a write that crashed
+    if distributed.local_rank() == 0 and os.path.exists(tmp):
+        # A leftover of a write that crashed (each node's, when the folder is
+        # node-local; on a shared one several nodes may race to remove it).
+        shutil.rmtree(tmp, ignore_errors=True)
     distributed.barrier()
     tp = tp_size(model)
     state = {
@@ -102,15 +104,29 @@ def save(
         state["ema"] = to_checkpoint(get_model_state_dict(ema), tp)
     dcp.save(state, checkpoint_id=tmp)
     distributed.barrier()  # every rank's shards and the metadata are on disk
-    if distributed.is_main():
-        if os.path.exists(path):
-            old = path + ".old"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
+    # A node whose folder rank 0 does not share (the node-local mirror of a remote
+    # OUT_DIR) does not see rank 0's .metadata: its first rank renames its own copy,
+    # which holds its ranks' shards, so that they can upload them from `path`.
+    own_copy = (
+        not distributed.is_main()
+        and distributed.local_rank() == 0
+        and not os.path.exists(os.path.join(tmp, ".metadata"))
+    )
+    distributed.barrier()  # every node looked before rank 0 renames
+    if distributed.is_main() or own_copy:
+        _replace(tmp, path)
     distributed.barrier()
+
+
+def _replace(tmp: str, path: str) -> None:
+    """Renames the written folder `tmp` to `path`, over an older one."""
+    if os.path.exists(path):
+        old = path + ".old"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, path)
 
 
 def _check_fits(path, saved, prefix, state):

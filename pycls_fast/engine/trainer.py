@@ -15,6 +15,7 @@ import os
 import random
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from yacs.config import CfgNode
 
 from pycls_fast.checkpoint import CheckpointManager, files
-from pycls_fast.checkpoint.remote import RemoteOut, mirror_dir
+from pycls_fast.checkpoint.remote import PULLED_MARKER, RemoteOut, mirror_dir
 from pycls_fast.checkpoint.weights import (
     LoadedWeights,
     checkpoint_channel_order,
@@ -727,14 +728,14 @@ def train_model(cfg):
         # Training works in a local mirror; checkpoints and logs go up from there.
         local = mirror_dir(cfg.OUT_DIR, cfg.OUT_MIRROR)
         remote = RemoteOut(cfg.OUT_DIR, local, cfg.TRAIN.CHECKPOINT_KEEP)
-        if distributed.local_rank() == 0:
-            os.makedirs(local, exist_ok=True)
-            with RunLock(local):  # two runs on one node do not fill one mirror
-                remote.pull()
-        distributed.barrier()
+        # The same config on every rank, the URL compared (mirrors may differ by
+        # node: each node's own temporary folder).
+        distributed.check_same_config(cfg)
+        pull_on_each_node(remote)
         cfg = with_overrides(cfg, {"OUT_DIR": local})
+    else:
+        distributed.check_same_config(cfg)
     prepare_out_dir(cfg)
-    distributed.check_same_config(cfg)
     lock = lock_out_dir(cfg)
     try:
         with StopRequest() as stop:
@@ -744,6 +745,35 @@ def train_model(cfg):
             lock.release()
         if remote is not None and distributed.is_main():
             remote.push()  # the logs of a run that ends, stops or fails
+
+
+def pull_on_each_node(remote: RemoteOut) -> None:
+    """Fills the mirror of every node from the store, once per mirror folder: rank
+    0 pulls first (leaving a marker of this job), then the first rank of each node
+    that does not see the marker (a node-local mirror) pulls its own. Nodes that
+    share rank 0's mirror (a shared file system) neither pull again nor collide on
+    its lock."""
+    token = distributed.broadcast_object(uuid.uuid4().hex)
+    marker = os.path.join(remote.local, f"{PULLED_MARKER}{token}")
+    if distributed.is_main():
+        _pull(remote)
+        open(marker, "w").close()  # noqa: SIM115 - an empty marker
+    distributed.barrier()
+    if (
+        not distributed.is_main()
+        and distributed.local_rank() == 0
+        and not os.path.exists(marker)
+    ):
+        _pull(remote)
+    distributed.barrier()
+    if distributed.is_main():
+        os.remove(marker)
+
+
+def _pull(remote):
+    os.makedirs(remote.local, exist_ok=True)
+    with RunLock(remote.local):  # two runs on one node do not fill one mirror
+        remote.pull()
 
 
 def resolve_channel_order(cfg: CfgNode, weights: str) -> CfgNode:
@@ -763,7 +793,9 @@ def _upload_checkpoint(cfg, remote, path):
     sharded one (FSDP, TP or PP: sharded_checkpoints) by every rank, its own part,
     then completed by rank 0."""
     if sharded_checkpoints(cfg):
-        path = distributed.broadcast_object(path)
+        # Each node's own copy: mirrors may be node-local, at other paths.
+        name = os.path.basename(distributed.broadcast_object(path))
+        path = os.path.join(files.checkpoint_dir(remote.local), name)
         remote.push_checkpoint(path, distributed.rank(), distributed.is_main())
         distributed.barrier()
         if distributed.is_main():

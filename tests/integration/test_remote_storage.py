@@ -215,3 +215,70 @@ def test_pipeline_checkpoints_without_fsdp_arrive_whole_on_s3(s3, tmp_path):
     }
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= parts, parts
 
+
+def test_two_nodes_with_node_local_mirrors_checkpoint_to_s3(s3, tmp_path):
+    # Two "nodes" on this machine: two torchrun launchers (1 rank each, static
+    # rendezvous on 127.0.0.1), each with its own temporary folder, so each its own
+    # mirror of the s3:// OUT_DIR. Every node's shards must reach the store, and a
+    # second job on fresh mirrors resumes from them.
+    folder = make_image_folder(
+        str(tmp_path / "folder"), num_classes=4, images_per_class=8, size=(48, 40)
+    )
+    data = f"s3://{BUCKET}/nodes_data"
+    pack = _tool("pack_dataset.py", "--data", folder, "--out", data,
+                 "--shard-mb", "0.01", env=s3)  # fmt: skip
+    out, _ = pack.communicate(timeout=120)
+    assert pack.returncode == 0, out
+    run = f"s3://{BUCKET}/nodes_run"
+
+    def job(name, epochs):
+        args = _train_args(run, "")  # OUT_MIRROR '': under each node's TMPDIR
+        args[args.index("OPTIM.MAX_EPOCH") + 1] = epochs
+        args[args.index("DATA.PATH") + 1] = data
+        port = str(_free_port())
+        procs = []
+        for node in range(2):
+            tmp = tmp_path / f"{name}_node{node}"
+            tmp.mkdir()
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--nproc_per_node", "1", "--node_rank", str(node),
+                "--master_addr", "127.0.0.1", "--master_port", port,
+                os.path.join(ROOT, "tools/train_net.py"), *args,
+                "FSDP.ENABLED", "True",
+            ]  # fmt: skip
+            env = {**s3, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )  # fmt: skip
+            )
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        for p, o in zip(procs, outs):
+            assert p.returncode == 0, o[-3000:]
+        return outs[0]
+
+    job("first", "2")
+    fs = _fs()
+    fs.invalidate_cache()
+    for epoch in (1, 2):
+        parts = {
+            os.path.basename(p)
+            for p in fs.find(
+                f"{BUCKET}/nodes_run/checkpoints/model_epoch_000{epoch}.dcp"
+            )
+        }
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= parts, parts
+    out = job("second", "3")  # fresh mirrors: each node pulls the checkpoint
+    assert "fetched checkpoints: model_epoch_0002.dcp" in out
+    assert "resumed from" in out
+    fs.invalidate_cache()
+    assert fs.exists(f"{BUCKET}/nodes_run/checkpoints/model_epoch_0003.dcp/.metadata")
+    assert fs.exists(
+        f"{BUCKET}/nodes_run/checkpoints/model_epoch_0003.dcp/__1_0.distcp"
+    )
