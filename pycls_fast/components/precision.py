@@ -13,6 +13,7 @@ fp16 uses dynamic loss scaling (`GradScaler`), bf16 needs none.
 
 import contextlib
 import enum
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -222,7 +223,8 @@ class LossScaler:
         self._clean: torch.Tensor | None = None  # (1,) int32: clean steps in a row
         self._skipped: torch.Tensor | None = None  # (1,) float32: steps skipped
         self._pending: dict[str, Any] | None = None  # a state loaded before use
-        self._fused_ready: set[int] = set()  # optimizers past a clean first step
+        # Optimizers past a clean first step (weak: an id could be reused).
+        self._fused_ready: weakref.WeakSet = weakref.WeakSet()
 
     def _on(self, device: torch.device) -> None:
         if self._scale is not None and self._scale.device == device:
@@ -307,7 +309,7 @@ class LossScaler:
             return True
         if (
             getattr(optimizer, "_step_supports_amp_scaling", False)
-            and id(optimizer) in self._fused_ready
+            and optimizer in self._fused_ready
         ):
             optimizer.found_inf = found_inf
             try:
@@ -322,7 +324,7 @@ class LossScaler:
         # with empty_like) and, on found_inf, returns before filling it: the next
         # step would read garbage as momentum. So fused optimizers skip on the
         # device only once a clean step has created their state.
-        self._fused_ready.add(id(optimizer))
+        self._fused_ready.add(optimizer)
         return True
 
     def update(self, found_inf: torch.Tensor | None) -> None:
