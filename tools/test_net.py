@@ -8,15 +8,32 @@ KEY VALUE pairs override config keys. TEST.WEIGHTS is a checkpoint file, a shard
 checkpoint). `--run OUT_DIR` evaluates a finished run: its config.yaml, its newest
 complete checkpoint (the best with --best), the log in OUT_DIR/eval/. Runs under
 torchrun or with NUM_GPUS N like train_net. TEST.SIZES, TEST.EXTRA_SPLITS and
-TEST.REAL_LABELS evaluate at several resolutions, on more test sets (ImageNet-V2) and
-with ImageNet-ReaL labels in one run, and print a table."""
+TEST.REAL_LABELS evaluate at several resolutions, on more test sets (ImageNet-V2,
+-Sketch, -A, -R: docs/RECIPES.md) and with ImageNet-ReaL labels in one run, and print a
+table. The records and the table are also written to OUT_DIR/eval_<checkpoint>.json
+(tools/export.py puts them in the model card)."""
 
+from pycls_fast.checkpoint.files import resolve_weights
 from pycls_fast.config import check_launch, with_overrides
 from pycls_fast.datasets.loader import check_data
-from pycls_fast.engine.evaluation import evaluate_model, format_table
+from pycls_fast.engine.evaluation import (
+    evaluate_model,
+    format_table,
+    needs_evaluate,
+    write_report,
+)
 from pycls_fast.engine.trainer import test_model
 from pycls_fast.launch.cli import cfg_from_args, config_parser, run
 from pycls_fast.launch.submit import submit_or_launch
+from pycls_fast.storage import is_remote
+
+
+def _report(cfg, records):
+    """Keeps the records beside the log (a local OUT_DIR), named by checkpoint."""
+    if is_remote(cfg.OUT_DIR):
+        return
+    path = write_report(cfg.OUT_DIR, resolve_weights(cfg.TEST.WEIGHTS)[0], records)
+    print(f"evaluation written to {path}", flush=True)
 
 
 def main():
@@ -28,10 +45,11 @@ def main():
     check_data(cfg, ("test",))  # once, before any rank starts
     for split in cfg.TEST.EXTRA_SPLITS:
         check_data(with_overrides(cfg, {"TEST.SPLIT": split}), ("test",))
-    if cfg.TEST.SIZES or cfg.TEST.EXTRA_SPLITS or cfg.TEST.REAL_LABELS:
+    if needs_evaluate(cfg):
         records = submit_or_launch(evaluate_model, cfg)
         if records is not None:  # rank 0
             print(format_table(records), flush=True)
+            _report(cfg, records)
         return
     record = submit_or_launch(test_model, cfg)
     if record is None:  # not rank 0
@@ -42,6 +60,7 @@ def main():
         f"({record['images']} images, epoch {record['epoch']})",
         flush=True,
     )
+    _report(cfg, [record])
 
 
 if __name__ == "__main__":

@@ -311,19 +311,22 @@ def construct_train_loader(cfg, rank=None, world_size=None):
     return _loader(cfg, index, True, plan)
 
 
-def construct_test_loader(cfg, rank=None, world_size=None):
+def construct_test_loader(cfg, rank=None, world_size=None, class_subset=False):
     """Returns the test ImageLoader of this rank over DATA.PATH/TEST.SPLIT.
 
     No shuffling; the ranks' shards cover every image exactly once (the last batch may
     be partial, and ranks may differ by one batch; a batch whose images all fail to
     decode is left out). Class folders must match the train split's when both exist,
-    so that labels mean the same.
+    so that labels mean the same; with `class_subset` (the caller maps the split's
+    labels to the model's classes: engine/test_sets.py) they may be some of them.
     """
     rank, world_size = sharding.rank_and_world_size(rank, world_size)
     index = _index(cfg, cfg.TEST.SPLIT)
     train_dir = os.path.join(cfg.DATA.PATH, cfg.TRAIN.SPLIT)
     if cfg.DATA.FORMAT == "shards":
         pass  # pack_dataset.py writes every split with the classes of its train split.
+    elif class_subset:
+        pass
     elif cfg.TRAIN.SPLIT != cfg.TEST.SPLIT and os.path.isdir(train_dir):
         train_classes = sorted(
             e.name for e in os.scandir(train_dir) if e.is_dir() and e.name[0] != "."

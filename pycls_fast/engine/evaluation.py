@@ -1,9 +1,12 @@
 """test_net's evaluations: TEST.WEIGHTS at several resolutions (TEST.SIZES), on
-several test sets (TEST.SPLIT + TEST.EXTRA_SPLITS, e.g. ImageNet-V2), and with
+several test sets (TEST.SPLIT + TEST.EXTRA_SPLITS: ImageNet-V2, -Sketch, and -A / -R,
+whose 200 classes are read from the logits masked to them: test_sets.py), and with
 ImageNet-ReaL labels (TEST.REAL_LABELS), in one run.
 
-Each (size, split) is one `test_epoch` record with `im_size` and `split` fields (and
-`real_top1_err` for the main split with ReaL labels); `evaluate` returns them in order.
+Each (size, split) is one `test_epoch` record with `im_size`, `split` and `classes`
+fields (`subset` for a named class subset, `real_top1_err` for the main split with
+ReaL labels); `evaluate` returns them in order, `write_report` keeps them beside the
+log as one JSON file per checkpoint.
 At another size the model is built at that size and the weights loaded into it, so
 the position embedding is interpolated (checkpoint/weights.py); the resize before
 the center crop keeps the config's crop ratio (TRAIN.IM_SIZE / TEST.IM_SIZE).
@@ -19,6 +22,7 @@ from yacs.config import CfgNode
 
 from pycls_fast.components.precision import autocast
 from pycls_fast.config import with_overrides
+from pycls_fast.engine.test_sets import split_classes
 from pycls_fast.engine.trainer import (
     build_components,
     checkpoint_epoch_label,
@@ -107,6 +111,7 @@ def evaluate(cfg: CfgNode, path: str) -> list[dict]:
     sizes = list(cfg.TEST.SIZES) or [cfg.TRAIN.IM_SIZE]
     splits = [cfg.TEST.SPLIT, *cfg.TEST.EXTRA_SPLITS]
     real = load_real_labels(cfg.TEST.REAL_LABELS) if cfg.TEST.REAL_LABELS else None
+    subsets = [split_classes(cfg, split) for split in splits]
     records = []
     for size in sizes:
         cfg_s = at_size(cfg, size)
@@ -114,32 +119,86 @@ def evaluate(cfg: CfgNode, path: str) -> list[dict]:
             cfg_s, loaders=(), weights=path, use_ema=cfg.TEST.USE_EMA
         )
         label = checkpoint_epoch_label(parts.loaded, cfg.OPTIM.MAX_EPOCH)
-        for split in splits:
+        for split, classes in zip(splits, subsets, strict=True):
             cfg_x = with_overrides(cfg_s, {"TEST.SPLIT": split})
-            parts.attach_test_loader(cfg_x)
-            extra = {"im_size": size, "split": split}
+            subset = classes.columns is not None
+            parts.attach_test_loader(cfg_x, class_subset=subset)
+            extra = {"im_size": size, "split": split, "classes": classes.count}
+            if classes.name:
+                extra["subset"] = classes.name
             if real is not None and split == cfg.TEST.SPLIT:
                 err, n = real_top1_err(parts, parts.model, real)
                 extra.update(real_top1_err=err, real_images=n)
-            records.append(test_epoch(parts, parts.model, 0, label=label, extra=extra))
+            columns = None
+            if subset:
+                columns = torch.tensor(classes.columns, device=parts.device)
+            record = test_epoch(
+                parts, parts.model, 0, label=label, extra=extra, columns=columns
+            )
+            records.append(record)
     return records
 
 
 def format_table(records: list[dict]) -> str:
-    """The records as a text table: split, size, top-1, top-5 (and ReaL top-1)."""
+    """The records as a text table: split (and the subset's name), classes, size,
+    top-1, top-5 (and ReaL top-1)."""
     real = any("real_top1_err" in r for r in records)
-    head = "| split | size | top-1 | top-5 |" + (" ReaL top-1 |" if real else "")
-    lines = [head, "|---|---|---|---|" + ("---|" if real else "")]
+    head = "| split | classes | size | top-1 | top-5 |"
+    head += " ReaL top-1 |" if real else ""
+    lines = [head, "|---|---|---|---|---|" + ("---|" if real else "")]
     for r in records:
+        split = f"{r['split']} ({r['subset']})" if r.get("subset") else r["split"]
         row = (
-            f"| {r['split']} | {r['im_size']} | {100 - r['top1_err']:.2f} | "
-            f"{100 - r['top5_err']:.2f} |"
+            f"| {split} | {r.get('classes', '')} | {r['im_size']} | "
+            f"{100 - r['top1_err']:.2f} | {100 - r['top5_err']:.2f} |"
         )
         if real:
             value = r.get("real_top1_err")
             row += f" {100 - value:.2f} |" if value is not None else " |"
         lines.append(row)
     return "\n".join(lines)
+
+
+def report_path(out_dir: str, checkpoint: str) -> str:
+    """OUT_DIR/eval_<checkpoint name>.json: where the evaluation of `checkpoint` (a
+    file or sharded directory) is kept."""
+    name = os.path.basename(os.path.normpath(checkpoint))
+    return os.path.join(out_dir, f"eval_{os.path.splitext(name)[0]}.json")
+
+
+def write_report(out_dir: str, checkpoint: str, records: list[dict]) -> str:
+    """Writes the evaluation of `checkpoint` (its records and their table) to
+    report_path (atomically); returns the path."""
+    path = report_path(out_dir, checkpoint)
+    os.makedirs(out_dir, exist_ok=True)
+    report = {
+        "checkpoint": os.path.abspath(checkpoint),
+        "epoch": records[0]["epoch"] if records else None,
+        "records": records,
+        "table": format_table(records),
+    }
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def read_report(out_dir: str, checkpoint: str) -> dict | None:
+    """The report write_report wrote for `checkpoint` under `out_dir`, or None."""
+    try:
+        with open(report_path(out_dir, checkpoint)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def needs_evaluate(cfg: CfgNode) -> bool:
+    """Whether test_net needs `evaluate` rather than one test_epoch: several sizes or
+    splits, ReaL labels, or a test split of some of the model's classes."""
+    if cfg.TEST.SIZES or cfg.TEST.EXTRA_SPLITS or cfg.TEST.REAL_LABELS:
+        return True
+    return split_classes(cfg, cfg.TEST.SPLIT).columns is not None
 
 
 def evaluate_model(cfg: CfgNode) -> list[dict]:

@@ -156,11 +156,13 @@ class Components:
     pipeline: PipelineRunner | None = None
     ema_pipeline: PipelineRunner | None = None
 
-    def attach_test_loader(self, cfg: CfgNode) -> None:
+    def attach_test_loader(self, cfg: CfgNode, class_subset: bool = False) -> None:
         """Builds the test loader of `cfg` (TEST.SPLIT, sizes) and its device-side
-        preparation into these components."""
+        preparation into these components (`class_subset`: construct_test_loader's)."""
         dtype = input_dtype(self.mode, self.half_dtype)
-        self.test_loader = construct_test_loader(cfg, self.data_rank, self.layout.dp)
+        self.test_loader = construct_test_loader(
+            cfg, self.data_rank, self.layout.dp, class_subset
+        )
         self.test_prep = DeviceBatchTransform(
             cfg, self.device, dtype, False, self.data_rank
         )
@@ -677,10 +679,13 @@ def pad_sharded_forwards(parts, model, done, most):
 
 
 @torch.no_grad()
-def test_epoch(parts, model, epoch, kind="test_epoch", label=None, extra=None):
+def test_epoch(
+    parts, model, epoch, kind="test_epoch", label=None, extra=None, columns=None
+):
     """Evaluates `model` on the test split; returns its stats record (`kind`) whose
     "epoch" is `label`, or "epoch + 1/OPTIM.MAX_EPOCH" without one; `extra` fields
-    are added to it before it is logged."""
+    are added to it before it is logged. `columns`: the logits kept, in the order of
+    the split's labels (a split of some of the model's classes: ImageNet-A, -R)."""
     cfg = parts.cfg
     model.eval()
     meter = EpochMeter()
@@ -696,6 +701,8 @@ def test_epoch(parts, model, epoch, kind="test_epoch", label=None, extra=None):
         if logits is None:  # a pipeline stage before the last: nothing to count
             meter.add(0.0, 0.0, 0.0, 0)
             continue
+        if columns is not None:
+            logits = logits[:, columns]
         loss = F.cross_entropy(logits.float(), labels)
         top1, top5 = topk_errors(logits.float(), labels)
         meter.add(loss, top1, top5, len(labels) if parts.reports_metrics else 0)

@@ -75,7 +75,7 @@ def test_sizes_splits_and_real_labels_in_one_run(digits, tmp_path):
         (24, "val"),
         (24, "v2"),
     ]
-    assert "| split | size | top-1 | top-5 | ReaL top-1 |" in stdout
+    assert "| split | classes | size | top-1 | top-5 | ReaL top-1 |" in stdout
     # The V2-style folders of label numbers hold the same images: the same results.
     for a, b in ((0, 1), (2, 3)):
         assert records[a]["top1_err"] == records[b]["top1_err"]

@@ -110,12 +110,12 @@ def _cache_file(cache_dir, split_dir):
     return os.path.join(cache_dir, f"index_{os.path.basename(split_dir)}_{key}.npz")
 
 
-def check_split(root: str, split: str) -> None:
+def check_split(root: str, split: str) -> list[str]:
     """Raises UserError, with load_index's message, when `root/split` is not an
     ImageNet-layout folder; cheap (lists class folders only), so a launcher can
-    check before it starts any process."""
+    check before it starts any process. Returns the class folders, in label order."""
     _check_root(root)
-    _class_dirs(os.path.abspath(os.path.join(root, split)))
+    return _class_dirs(os.path.abspath(os.path.join(root, split)))
 
 
 def _check_root(root):
