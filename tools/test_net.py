@@ -60,7 +60,7 @@ def main():
         f"({record['images']} images, epoch {record['epoch']})",
         flush=True,
     )
-    _report(cfg, [record])
+    _report(cfg, [{**record, "split": cfg.TEST.SPLIT, "im_size": cfg.TRAIN.IM_SIZE}])
 
 
 if __name__ == "__main__":
