@@ -41,8 +41,14 @@ setup(
             "scikit-learn>=1.3",
             "s3fs>=2023.1",
             "moto[server]>=5",
+            "onnx>=1.17",
+            "onnxruntime>=1.20",
+            "onnxscript>=0.2",
         ],
         # LOG_TENSORBOARD: event files through torch.utils.tensorboard.
         "tensorboard": ["tensorboard>=2.14"],
+        # tools/export.py --format onnx: torch's exporter (onnxscript) and the
+        # onnxruntime check; the export tests need them too.
+        "export": ["onnx>=1.17", "onnxruntime>=1.20", "onnxscript>=0.2"],
     },
 )

@@ -26,8 +26,17 @@ parameter + optimizer-state bytes each rank holds, each rank's peak host RSS and
 CUDA, each rank's peak GPU memory:
 
     torchrun --nproc_per_node 2 tools/time_net.py --cfg FILE --parallel ddp,fsdp
+
+With `--infer` it instead measures inference: images/s against batch size (a batch
+that does not fit in device memory is retried smaller), at the config's AMP mode and
+TRAIN.COMPILE, ours and timm's VisionTransformer of the same shape taking turns
+(--rounds, medians, the ratio), in one process; --csv FILE writes the rows with
+timm's benchmark.py column names:
+
+    python tools/time_net.py --cfg FILE --infer --batch-sizes 1,64,256 --csv infer.csv
 """
 
+import csv
 import functools
 import json
 import platform
@@ -42,7 +51,7 @@ import torch
 from pycls_fast.components.precision import apply_backend_flags, describe_precision
 from pycls_fast.config import with_overrides
 from pycls_fast.datasets.loader import check_data, construct_train_loader
-from pycls_fast.engine import timing
+from pycls_fast.engine import inference, timing
 from pycls_fast.engine.trainer import (
     build_components,
     seed_everything,
@@ -201,6 +210,18 @@ def main():
         "--rounds", type=int, default=5, help="interleaved rounds for --parallel"
     )
     parser.add_argument(
+        "--infer", action="store_true", help="measure inference against batch size"
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        default="",
+        help="--infer: comma-separated batch sizes (default: TEST.BATCH_SIZE)",
+    )
+    parser.add_argument("--csv", help="--infer: write the rows to this CSV file")
+    parser.add_argument(
+        "--no-timm", action="store_true", help="--infer: ours only, no timm peer"
+    )
+    parser.add_argument(
         "--seconds",
         type=float,
         default=60.0,
@@ -208,6 +229,8 @@ def main():
     )
     args = parser.parse_args()
     cfg = cfg_from_args(args)
+    if args.infer:
+        return infer(cfg, args)
     if args.loader_batches < 1 or args.rounds < 1:
         raise UserError("--loader-batches and --rounds must be >= 1")
     if args.seconds <= 0:
@@ -236,6 +259,44 @@ def main():
     record = launch(functools.partial(measure, args=args), cfg)
     if record is not None:
         report(record, args)
+
+
+def _batch_sizes(text, default):
+    try:
+        sizes = [int(b) for b in text.split(",") if b.strip()] if text else [default]
+    except ValueError:
+        raise UserError(
+            f"--batch-sizes: expected integers like 1,64,256: {text}"
+        ) from None
+    if not sizes or min(sizes) < 1:
+        raise UserError(f"--batch-sizes: sizes must be >= 1: {text}")
+    return sizes
+
+
+def infer(cfg, args):
+    """--infer: the inference rows of ours and timm's, printed (and written as CSV)."""
+    sizes = _batch_sizes(args.batch_sizes, cfg.TEST.BATCH_SIZE)
+    apply_backend_flags(cfg)
+    seed_everything(cfg.RNG_SEED)
+    device = distributed.device()
+    models = inference.build_models(cfg, device, timm_peer=not args.no_timm)
+    progress(f"inference: batch sizes {sizes}, {args.rounds} interleaved rounds")
+    rows = inference.measure_inference(cfg, models, sizes, device, rounds=args.rounds)
+    print(
+        f"{args.cfg_file or args.run} on {device} ({rows[0]['amp']}, "
+        f"compile {cfg.TRAIN.COMPILE}), torch {torch.__version__}, "
+        f"{platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(inference.format_rows(rows))
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=inference.CSV_FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"wrote {args.csv}")
+    if args.json:
+        print(json.dumps(rows))
 
 
 def measure(cfg, args):

@@ -28,6 +28,7 @@ LAYERS = [
     ["pycls_fast.checkpoint"],
     ["pycls_fast.engine"],  # the loop: trainer, evaluation, timing, distillation
     ["pycls_fast.launch"],  # processes, SLURM, the command line
+    ["pycls_fast.export"],  # checkpoints to timm / ONNX, model cards
     ["pycls_fast.sweep"],
 ]
 MAX_MODULES_PER_FOLDER = 12
