@@ -661,7 +661,9 @@ _key("TEST.BATCH_SIZE", 200, gt=0)
 _key("TEST.SIZES", [])
 
 # pycls_fast: test_net also evaluates on these split folders of DATA.PATH (e.g. an
-# ImageNet-V2 folder, whose class folders 0..999 are read as label numbers)
+# ImageNet-V2 folder, whose class folders 0..999 are read as label numbers;
+# ImageNet-Sketch; ImageNet-A / -R, whose 200 synset folders are read from the
+# logits of those classes only)
 _key("TEST.EXTRA_SPLITS", [])
 
 # pycls_fast: ImageNet-ReaL labels (real.json, brought by the user): test_net also
