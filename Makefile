@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 	distill-demo \
 	check-node bench bench-dist bench-attention \
 	bench-loader bench-index bench-shards bench-loader-scaling \
-	bench-optimizer bench-progressive clean
+	bench-optimizer bench-progressive bench-infer clean
 
 setup: $(STAMP)
 
@@ -122,6 +122,14 @@ bench-optimizer: setup
 bench-progressive: setup
 	$(PY) -m benchmarks.progressive --cfg configs/vit/ViT-S-16.yaml \
 		--json-out out/bench/progressive.json
+
+# Inference images/s against batch size, ours and timm's in turns (docs/PERFORMANCE.md).
+INFER_CFG ?= configs/vit/ViT-Ti-16.yaml
+INFER_BATCHES ?= 1,8,32
+bench-infer: setup
+	mkdir -p out/bench
+	$(PY) tools/time_net.py --cfg $(INFER_CFG) --infer --batch-sizes $(INFER_BATCHES) \
+		--csv out/bench/infer.csv
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -117,7 +117,10 @@ def _export(source, args):
     batches = [args.batch] if args.batch else [1, 3]
     check = onnx_format.check_onnx(path, model, cfg, batches)
     what = f"onnxruntime (CPU) against pycls_fast, batches {batches}"
-    return {"onnx": "model.onnx"}, {**check, "what": what}
+    files = {"onnx": "model.onnx"}
+    if os.path.exists(path + ".data"):  # weights over 2 GB, beside the graph
+        files["onnx_data"] = "model.onnx.data"
+    return files, {**check, "what": what}
 
 
 def main():

@@ -17,6 +17,7 @@ from pycls_fast.errors import PyclsFastError
 from pycls_fast.models.vit import ViTParams
 
 INPUT, OUTPUT = "images", "logits"
+MAX_SINGLE_FILE_BYTES = 1_800_000_000
 
 
 class ExportCheckError(PyclsFastError):
@@ -31,6 +32,8 @@ def export_onnx(model: nn.Module, cfg: CfgNode, path: str, batch: int | None) ->
     dynamic = None
     if batch is None:
         dynamic = ({0: torch.export.Dim("batch", min=1, max=65536)},)
+    # A protobuf file holds at most 2 GB: larger weights go to `path`.data beside it.
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     torch.onnx.export(
         model,
         (example,),
@@ -39,7 +42,7 @@ def export_onnx(model: nn.Module, cfg: CfgNode, path: str, batch: int | None) ->
         input_names=[INPUT],
         output_names=[OUTPUT],
         dynamic_shapes=dynamic,
-        external_data=False,
+        external_data=weight_bytes > MAX_SINGLE_FILE_BYTES,
         verbose=False,
     )
 

@@ -14,7 +14,14 @@ EXAMPLE = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
 
 
 @pytest.mark.parametrize(
-    "name", ["info_net.py", "convert_weights.py", "gen_config_doc.py"]
+    "name",
+    [
+        "info_net.py",
+        "convert_weights.py",
+        "gen_config_doc.py",
+        "avg_checkpoints.py",
+        "export.py",
+    ],
 )
 def test_help(name):
     result = run_tool(name, "--help")
