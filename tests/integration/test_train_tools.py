@@ -1,6 +1,7 @@
 """train_net, test_net, time_net and plot_log as a user runs them: subprocesses,
 their output, exit statuses and one-line errors."""
 
+import csv
 import json
 import os
 
@@ -82,6 +83,28 @@ def test_time_net_json(tmp_path):
         1_281_167 / min(record["train_img_per_s"], record["loader_img_per_s"])
     )
     assert 0 < record["mfu"] < 1
+
+
+def test_time_net_infer_csv(tmp_path):
+    """--infer: a CSV with timm benchmark.py's columns, ours and timm's rows per
+    batch size, the ratio of their images/s."""
+    out = tmp_path / "infer.csv"
+    result = run_tool("time_net.py", "--cfg", TINY_CFG, *SMALL, "AMP.MODE", "fp32",
+                      "--infer", "--batch-sizes", "1,4", "--rounds", "1",
+                      "--csv", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["model"], r["infer_batch_size"]) for r in rows] == [
+        ("pycls_fast", "1"), ("timm", "1"), ("pycls_fast", "4"), ("timm", "4"),
+    ]  # fmt: skip
+    ours, timm = rows[2], rows[3]
+    ratio = float(ours["infer_samples_per_sec"]) / float(timm["infer_samples_per_sec"])
+    assert float(ours["ratio_to_timm"]) == pytest.approx(ratio, rel=1e-6)
+    assert ours["amp"].startswith("fp32") and ours["compile"] == "off"
+    assert "| 4 | pycls_fast |" in result.stdout
+    bad = run_tool("time_net.py", "--cfg", TINY_CFG, "--infer", "--batch-sizes", "x")
+    assert bad.returncode == 2 and "--batch-sizes" in bad.stderr
 
 
 def test_plot_log_without_a_log_is_a_clear_error(tmp_path):
