@@ -72,15 +72,24 @@ def _config(args):
     return saved_config(resolve_weights(args.weights)[0], args.opts), args.weights
 
 
-def _throughput(cfg, args):
+def _batch_sizes(args):
+    """The throughput batch sizes (None: --no-throughput), checked before any work."""
     if args.no_throughput:
         return None
     try:
         sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
         raise UserError(
-            f"--batch-sizes: expected integers: {args.batch_sizes}"
-        ) from None
+            f"--batch-sizes: expected sizes >= 1 like 1,32: {args.batch_sizes}"
+        )
+    return sizes
+
+
+def _throughput(cfg, sizes):
+    if sizes is None:
+        return None
     device = distributed.device()
     try:
         models = inference.build_models(cfg, device)
@@ -109,8 +118,6 @@ def _export(source, args):
         files = {"weights": timm_format.WEIGHTS_FILE, "config": timm_format.CONFIG_FILE}
         what = "timm.create_model('local-dir:...') against pycls_fast"
         return files, {"what": what, "max_abs_diff": diff, "tolerance": tol}
-    if args.batch is not None and args.batch < 1:
-        raise UserError("--batch must be >= 1")
     os.makedirs(dst, exist_ok=True)
     path = os.path.join(dst, "model.onnx")
     onnx_format.export_onnx(model, cfg, path, args.batch)
@@ -126,13 +133,16 @@ def _export(source, args):
 def main():
     args = _parser().parse_args()
     cfg, weights = _config(args)
+    sizes = _batch_sizes(args)
+    if args.batch is not None and args.batch < 1:
+        raise UserError("--batch must be >= 1")
     if os.path.isfile(args.dst):
         raise UserError(f"--dst {args.dst} is a file: name a folder")
     if args.format == "safetensors":
         timm_format.timm_model_args(cfg)  # refused before any work
     source = load_source(cfg, weights, run_dir=args.run, use_ema=args.ema)
     files, check = _export(source, args)
-    rows = _throughput(cfg, args)
+    rows = _throughput(cfg, sizes)
     epoch = checkpoint_epoch_label(source.loaded, cfg.OPTIM.MAX_EPOCH)
     text = model_card.model_card(
         cfg,

@@ -193,3 +193,12 @@ def test_onnx_fixed_batch_and_refusals(demo, tmp_path):
     assert result.returncode == 2
     assert "LN.EPS" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "eps").exists()
+    for args, text in (
+        (["--batch", "0"], "--batch must be >= 1"),
+        (["--batch-sizes", "8,x"], "--batch-sizes"),
+        (["--weights", run], "not both"),
+    ):
+        result = run_tool("export.py", "--run", run, "--format", "onnx",
+                          "--dst", str(tmp_path / "no"), *args)  # fmt: skip
+        assert result.returncode == 2 and text in result.stderr, result.stderr
+    assert not (tmp_path / "no").exists()
