@@ -14,6 +14,8 @@ from pycls_fast.models import build_model
 from pycls_fast.observe.logging import load_json_stats
 from tests.helpers import DIGITS_CFG, run_tool
 
+pytestmark = pytest.mark.slow  # trains a run, then runs tools as processes
+
 SMALL = ["VIT.NUM_LAYERS", "1", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
          "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "4",
          "OPTIM.WARMUP_EPOCHS", "0", "OPTIM.EMA_ALPHA", "0.01",

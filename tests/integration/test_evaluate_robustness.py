@@ -8,6 +8,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -19,6 +20,8 @@ from pycls_fast.engine.test_sets import timm_class_list
 from pycls_fast.models import build_model
 from pycls_fast.observe.logging import load_json_stats
 from tests.helpers import DIGITS_CFG, run_tool
+
+pytestmark = pytest.mark.slow  # trains an epoch, then evaluates 2,400 images
 
 SIZE = 16
 # A 1000-class ViT small enough to train an epoch on 1,000 images in seconds, in fp32

@@ -19,6 +19,10 @@ from pycls_fast.export.onnx_format import logit_tolerance
 from pycls_fast.models import build_model, complexity
 from tests.helpers import DIGITS_CFG, ROOT, run_tool
 
+# The module runs the doc's commands as a user does, each a fresh Python process
+# (torch, timm and onnx imports, torch's ONNX exporter): minutes, not seconds.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
 # The reduced size the doc states: 3 epochs at 16 px, 1 block of width 32, a
 # checkpoint every epoch.
 SMALL = ["VIT.NUM_LAYERS", "1", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
