@@ -74,6 +74,8 @@ def timm_model_args(cfg: CfgNode) -> tuple[str, dict]:
     }
     if p.layer_scale:
         args["init_values"] = p.layer_scale
+    if p.qk_norm:
+        args["qk_norm"] = True
     size = _SIZES.get((p.hidden_d, p.n_layers, p.n_heads), "base")
     return f"vit_{size}_patch16_224", args
 

@@ -22,6 +22,7 @@ from tests.helpers import tiny_cfg
     [
         ["VIT.CLASSIFIER_TYPE", "token"],
         ["VIT.CLASSIFIER_TYPE", "pooled", "VIT.LAYER_SCALE", "0.1"],
+        ["VIT.CLASSIFIER_TYPE", "token", "VIT.QK_NORM", "True"],
     ],
 )
 def test_round_trip_through_timm(tmp_path, monkeypatch, opts):
