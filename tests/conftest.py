@@ -4,8 +4,12 @@ on the CPU.
 The suite pins itself to the CPU (CUDA_VISIBLE_DEVICES="" for this process and the
 processes it starts), so a GPU node runs the same tests as a laptop. `--gpu` or
 PYCLS_FAST_TEST_GPU=1 leaves the GPUs visible and runs the tests marked `gpu` too.
+
+Nothing skips silently: the summary ends with the skipped tests counted by reason, and
+under CI=true a skipped SLURM test fails the run (a CI machine must start SLURM jobs).
 """
 
+import collections
 import os
 import sys
 
@@ -34,7 +38,7 @@ def pytest_collection_modifyitems(config, items):
     reason = (
         "no CUDA device visible"
         if GPU_TESTS
-        else "GPU test: run with --gpu or PYCLS_FAST_TEST_GPU=1 on a GPU node"
+        else "CUDA-only (no --gpu here: run with --gpu or PYCLS_FAST_TEST_GPU=1 on a GPU node)"
     )
     for item in items:
         if "gpu" in item.keywords:
@@ -52,3 +56,39 @@ def digits(tmp_path_factory):
     root = tmp_path_factory.mktemp("digits")
     build_digits_folder(str(root), size=16)
     return str(root)
+
+
+# Skips that CI=true turns into failures: on a CI machine SLURM must be installed
+# (`make slurm`), so a SLURM test that skips means the claim went unchecked.
+REQUIRED_IN_CI = ("tests/integration/test_slurm.py",)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        report.skipped
+        and os.environ.get("CI") == "true"
+        and item.nodeid.startswith(REQUIRED_IN_CI)
+    ):
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI=true: {_skip_reason(report)}"
+
+
+def _skip_reason(report) -> str:
+    """A skip's reason, without pytest's 'Skipped: ' prefix."""
+    if isinstance(report.longrepr, tuple):  # (path, line, "Skipped: reason")
+        return report.longrepr[2].removeprefix("Skipped: ")
+    return str(report.longrepr)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per reason: how many tests skipped and why (GPU tests included)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons = collections.Counter(_skip_reason(r) for r in skipped)
+    terminalreporter.section("skipped, by reason")
+    for reason, count in reasons.most_common():
+        terminalreporter.write_line(f"{count} skipped: {reason}")
