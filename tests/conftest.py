@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config, items):
     reason = (
         "no CUDA device visible"
         if GPU_TESTS
-        else "CUDA-only (no --gpu here: run with --gpu or PYCLS_FAST_TEST_GPU=1 on a GPU node)"
+        else "CUDA-only (run with --gpu or PYCLS_FAST_TEST_GPU=1 on a GPU node)"
     )
     for item in items:
         if "gpu" in item.keywords:
