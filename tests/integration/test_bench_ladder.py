@@ -7,7 +7,7 @@ import os
 import pytest
 
 from benchmarks.ladder import rung_configs
-from tests.helpers import ROOT, run_benchmark
+from tests.helpers import ROOT, assert_help_lists, run_benchmark
 
 EXAMPLE = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
 
@@ -89,4 +89,5 @@ def test_bad_arguments_exit_2_with_one_line(args, message):
 
 def test_help():
     result = run_benchmark("ladder", "--help")
-    assert result.returncode == 0 and "baseline" in result.stdout
+    assert_help_lists("benchmarks/ladder.py", result)
+    assert "baseline" in result.stdout

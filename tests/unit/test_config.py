@@ -6,6 +6,7 @@ import re
 import tokenize
 
 import pytest
+import torch
 import yaml
 
 from pycls_fast import config
@@ -21,7 +22,8 @@ from pycls_fast.config import (
     load_cfg,
     with_overrides,
 )
-from tests.helpers import ROOT
+from pycls_fast.models import build_model, complexity
+from tests.helpers import ROOT, vit_param_count
 
 PYCLS_VIT = os.path.join(ROOT, "tests", "data", "pycls_vit_p_4gf.yaml")
 DIGITS = os.path.join(ROOT, "configs", "examples", "vit_digits.yaml")
@@ -45,154 +47,156 @@ def test_pycls_vit_config_loads_unchanged():
     assert cfg.NUM_GPUS == 32
 
 
+# The union of the keys of pycls's config schema across its releases.
+PYCLS_KEYS = [
+    "MODEL.TYPE",
+    "MODEL.DEPTH",
+    "MODEL.NUM_CLASSES",
+    "MODEL.LOSS_FUN",
+    "MODEL.ACTIVATION_FUN",
+    "MODEL.ACTIVATION_INPLACE",
+    "MODEL.SCALING_TYPE",
+    "MODEL.SCALING_FACTOR",
+    "RESNET.TRANS_FUN",
+    "RESNET.NUM_GROUPS",
+    "RESNET.WIDTH_PER_GROUP",
+    "RESNET.STRIDE_1X1",
+    "ANYNET.STEM_TYPE",
+    "ANYNET.STEM_W",
+    "ANYNET.BLOCK_TYPE",
+    "ANYNET.DEPTHS",
+    "ANYNET.WIDTHS",
+    "ANYNET.STRIDES",
+    "ANYNET.BOT_MULS",
+    "ANYNET.GROUP_WS",
+    "ANYNET.HEAD_W",
+    "ANYNET.SE_ON",
+    "ANYNET.SE_R",
+    "REGNET.STEM_TYPE",
+    "REGNET.STEM_W",
+    "REGNET.BLOCK_TYPE",
+    "REGNET.STRIDE",
+    "REGNET.SE_ON",
+    "REGNET.SE_R",
+    "REGNET.DEPTH",
+    "REGNET.W0",
+    "REGNET.WA",
+    "REGNET.WM",
+    "REGNET.GROUP_W",
+    "REGNET.BOT_MUL",
+    "REGNET.HEAD_W",
+    "EN.STEM_W",
+    "EN.DEPTHS",
+    "EN.WIDTHS",
+    "EN.EXP_RATIOS",
+    "EN.SE_R",
+    "EN.STRIDES",
+    "EN.KERNELS",
+    "EN.HEAD_W",
+    "EN.DC_RATIO",
+    "EN.DROPOUT_RATIO",
+    "VIT.PATCH_SIZE",
+    "VIT.STEM_TYPE",
+    "VIT.C_STEM_KERNELS",
+    "VIT.C_STEM_STRIDES",
+    "VIT.C_STEM_DIMS",
+    "VIT.NUM_LAYERS",
+    "VIT.NUM_HEADS",
+    "VIT.HIDDEN_DIM",
+    "VIT.MLP_DIM",
+    "VIT.CLASSIFIER_TYPE",
+    "BN.EPS",
+    "BN.MOM",
+    "BN.USE_PRECISE_STATS",
+    "BN.NUM_SAMPLES_PRECISE",
+    "BN.ZERO_INIT_FINAL_GAMMA",
+    "BN.USE_CUSTOM_WEIGHT_DECAY",
+    "BN.CUSTOM_WEIGHT_DECAY",
+    "LN.EPS",
+    "LN.USE_CUSTOM_WEIGHT_DECAY",
+    "LN.CUSTOM_WEIGHT_DECAY",
+    "OPTIM.OPTIMIZER",
+    "OPTIM.BASE_LR",
+    "OPTIM.MIN_LR",
+    "OPTIM.LR_POLICY",
+    "OPTIM.STEPS",
+    "OPTIM.LR_MULT",
+    "OPTIM.GAMMA",
+    "OPTIM.MAX_EPOCH",
+    "OPTIM.MOMENTUM",
+    "OPTIM.DAMPENING",
+    "OPTIM.NESTEROV",
+    "OPTIM.BETA1",
+    "OPTIM.BETA2",
+    "OPTIM.WEIGHT_DECAY",
+    "OPTIM.BIAS_USE_CUSTOM_WEIGHT_DECAY",
+    "OPTIM.BIAS_CUSTOM_WEIGHT_DECAY",
+    "OPTIM.WARMUP_FACTOR",
+    "OPTIM.WARMUP_EPOCHS",
+    "OPTIM.EMA_ALPHA",
+    "OPTIM.EMA_UPDATE_PERIOD",
+    "OPTIM.MTA",
+    "TRAIN.DATASET",
+    "TRAIN.SPLIT",
+    "TRAIN.BATCH_SIZE",
+    "TRAIN.IM_SIZE",
+    "TRAIN.EVAL_PERIOD",
+    "TRAIN.CHECKPOINT_PERIOD",
+    "TRAIN.AUTO_RESUME",
+    "TRAIN.WEIGHTS",
+    "TRAIN.MIXED_PRECISION",
+    "TRAIN.LABEL_SMOOTHING",
+    "TRAIN.MIXUP_ALPHA",
+    "TRAIN.CUTMIX_ALPHA",
+    "TRAIN.PCA_STD",
+    "TRAIN.AUGMENT",
+    "TEST.DATASET",
+    "TEST.SPLIT",
+    "TEST.BATCH_SIZE",
+    "TEST.IM_SIZE",
+    "TEST.WEIGHTS",
+    "DATA_LOADER.NUM_WORKERS",
+    "DATA_LOADER.PIN_MEMORY",
+    "DATA_LOADER.MODE",
+    "CUDNN.BENCHMARK",
+    "MEM.RELU_INPLACE",
+    "PREC_TIME.WARMUP_ITER",
+    "PREC_TIME.NUM_ITER",
+    "LAUNCH.MODE",
+    "LAUNCH.MAX_RETRY",
+    "LAUNCH.NAME",
+    "LAUNCH.COMMENT",
+    "LAUNCH.CPUS_PER_GPU",
+    "LAUNCH.MEM_PER_GPU",
+    "LAUNCH.PARTITION",
+    "LAUNCH.GPU_TYPE",
+    "LAUNCH.TIME_LIMIT",
+    "LAUNCH.EMAIL",
+    "FSDP.ENABLED",
+    "FSDP.RESHARD_AFTER_FW",
+    "FSDP.LAYER_NORM_FP32",
+    "FSDP.DO_NOT_RESHARD_AFTER_FW",
+    "FSDP.MIXED_PRECISION",
+    "DESC",
+    "VERBOSE",
+    "NUM_GPUS",
+    "MAX_GPUS_PER_NODE",
+    "OUT_DIR",
+    "CFG_DEST",
+    "RNG_SEED",
+    "LOG_DEST",
+    "LOG_PERIOD",
+    "DIST_BACKEND",
+    "HOST",
+    "PORT",
+    "PORT_RANGE",
+    "DOWNLOAD_CACHE",
+]
+
+
 def test_every_pycls_schema_key_is_accepted():
-    # The union of the keys of pycls's config schema across its releases.
-    pycls_keys = [
-        "MODEL.TYPE",
-        "MODEL.DEPTH",
-        "MODEL.NUM_CLASSES",
-        "MODEL.LOSS_FUN",
-        "MODEL.ACTIVATION_FUN",
-        "MODEL.ACTIVATION_INPLACE",
-        "MODEL.SCALING_TYPE",
-        "MODEL.SCALING_FACTOR",
-        "RESNET.TRANS_FUN",
-        "RESNET.NUM_GROUPS",
-        "RESNET.WIDTH_PER_GROUP",
-        "RESNET.STRIDE_1X1",
-        "ANYNET.STEM_TYPE",
-        "ANYNET.STEM_W",
-        "ANYNET.BLOCK_TYPE",
-        "ANYNET.DEPTHS",
-        "ANYNET.WIDTHS",
-        "ANYNET.STRIDES",
-        "ANYNET.BOT_MULS",
-        "ANYNET.GROUP_WS",
-        "ANYNET.HEAD_W",
-        "ANYNET.SE_ON",
-        "ANYNET.SE_R",
-        "REGNET.STEM_TYPE",
-        "REGNET.STEM_W",
-        "REGNET.BLOCK_TYPE",
-        "REGNET.STRIDE",
-        "REGNET.SE_ON",
-        "REGNET.SE_R",
-        "REGNET.DEPTH",
-        "REGNET.W0",
-        "REGNET.WA",
-        "REGNET.WM",
-        "REGNET.GROUP_W",
-        "REGNET.BOT_MUL",
-        "REGNET.HEAD_W",
-        "EN.STEM_W",
-        "EN.DEPTHS",
-        "EN.WIDTHS",
-        "EN.EXP_RATIOS",
-        "EN.SE_R",
-        "EN.STRIDES",
-        "EN.KERNELS",
-        "EN.HEAD_W",
-        "EN.DC_RATIO",
-        "EN.DROPOUT_RATIO",
-        "VIT.PATCH_SIZE",
-        "VIT.STEM_TYPE",
-        "VIT.C_STEM_KERNELS",
-        "VIT.C_STEM_STRIDES",
-        "VIT.C_STEM_DIMS",
-        "VIT.NUM_LAYERS",
-        "VIT.NUM_HEADS",
-        "VIT.HIDDEN_DIM",
-        "VIT.MLP_DIM",
-        "VIT.CLASSIFIER_TYPE",
-        "BN.EPS",
-        "BN.MOM",
-        "BN.USE_PRECISE_STATS",
-        "BN.NUM_SAMPLES_PRECISE",
-        "BN.ZERO_INIT_FINAL_GAMMA",
-        "BN.USE_CUSTOM_WEIGHT_DECAY",
-        "BN.CUSTOM_WEIGHT_DECAY",
-        "LN.EPS",
-        "LN.USE_CUSTOM_WEIGHT_DECAY",
-        "LN.CUSTOM_WEIGHT_DECAY",
-        "OPTIM.OPTIMIZER",
-        "OPTIM.BASE_LR",
-        "OPTIM.MIN_LR",
-        "OPTIM.LR_POLICY",
-        "OPTIM.STEPS",
-        "OPTIM.LR_MULT",
-        "OPTIM.GAMMA",
-        "OPTIM.MAX_EPOCH",
-        "OPTIM.MOMENTUM",
-        "OPTIM.DAMPENING",
-        "OPTIM.NESTEROV",
-        "OPTIM.BETA1",
-        "OPTIM.BETA2",
-        "OPTIM.WEIGHT_DECAY",
-        "OPTIM.BIAS_USE_CUSTOM_WEIGHT_DECAY",
-        "OPTIM.BIAS_CUSTOM_WEIGHT_DECAY",
-        "OPTIM.WARMUP_FACTOR",
-        "OPTIM.WARMUP_EPOCHS",
-        "OPTIM.EMA_ALPHA",
-        "OPTIM.EMA_UPDATE_PERIOD",
-        "OPTIM.MTA",
-        "TRAIN.DATASET",
-        "TRAIN.SPLIT",
-        "TRAIN.BATCH_SIZE",
-        "TRAIN.IM_SIZE",
-        "TRAIN.EVAL_PERIOD",
-        "TRAIN.CHECKPOINT_PERIOD",
-        "TRAIN.AUTO_RESUME",
-        "TRAIN.WEIGHTS",
-        "TRAIN.MIXED_PRECISION",
-        "TRAIN.LABEL_SMOOTHING",
-        "TRAIN.MIXUP_ALPHA",
-        "TRAIN.CUTMIX_ALPHA",
-        "TRAIN.PCA_STD",
-        "TRAIN.AUGMENT",
-        "TEST.DATASET",
-        "TEST.SPLIT",
-        "TEST.BATCH_SIZE",
-        "TEST.IM_SIZE",
-        "TEST.WEIGHTS",
-        "DATA_LOADER.NUM_WORKERS",
-        "DATA_LOADER.PIN_MEMORY",
-        "DATA_LOADER.MODE",
-        "CUDNN.BENCHMARK",
-        "MEM.RELU_INPLACE",
-        "PREC_TIME.WARMUP_ITER",
-        "PREC_TIME.NUM_ITER",
-        "LAUNCH.MODE",
-        "LAUNCH.MAX_RETRY",
-        "LAUNCH.NAME",
-        "LAUNCH.COMMENT",
-        "LAUNCH.CPUS_PER_GPU",
-        "LAUNCH.MEM_PER_GPU",
-        "LAUNCH.PARTITION",
-        "LAUNCH.GPU_TYPE",
-        "LAUNCH.TIME_LIMIT",
-        "LAUNCH.EMAIL",
-        "FSDP.ENABLED",
-        "FSDP.RESHARD_AFTER_FW",
-        "FSDP.LAYER_NORM_FP32",
-        "FSDP.DO_NOT_RESHARD_AFTER_FW",
-        "FSDP.MIXED_PRECISION",
-        "DESC",
-        "VERBOSE",
-        "NUM_GPUS",
-        "MAX_GPUS_PER_NODE",
-        "OUT_DIR",
-        "CFG_DEST",
-        "RNG_SEED",
-        "LOG_DEST",
-        "LOG_PERIOD",
-        "DIST_BACKEND",
-        "HOST",
-        "PORT",
-        "PORT_RANGE",
-        "DOWNLOAD_CACHE",
-    ]
     ours = set(_flat_keys(get_cfg()))
-    assert [k for k in pycls_keys if k not in ours] == []
+    assert [k for k in PYCLS_KEYS if k not in ours] == []
 
 
 def test_deprecated_pycls_keys_are_ignored(tmp_path):
@@ -210,10 +214,59 @@ def test_deprecated_pycls_keys_are_ignored(tmp_path):
         if "/sweeps/" not in p  # sweep configs have their own schema (test_sweep)
     ),
 )
-def test_shipped_configs_load(path):
+def test_shipped_configs_load_the_model_their_name_says(path):
     cfg = load_cfg(path)
     assert cfg.MODEL.TYPE == "vit"
     assert cfg.DESC
+    v = cfg.VIT
+    want = _named_model(os.path.basename(path)[: -len(".yaml")], cfg.DESC)
+    if want.get("dims"):
+        assert want["dims"] == (v.HIDDEN_DIM, v.NUM_LAYERS, v.NUM_HEADS, v.MLP_DIM)
+    for key, got in (("patch", v.PATCH_SIZE), ("im_size", cfg.TRAIN.IM_SIZE),
+                     ("stem", v.STEM_TYPE)):  # fmt: skip
+        if key in want:
+            assert got == want[key], key
+    if want.get("stem") == "conv":  # ViT_C-xGF: ViT_P-xGF with one block fewer
+        p = load_cfg(path.replace("ViT-C-", "ViT-P-")).VIT
+        assert (v.HIDDEN_DIM, v.NUM_HEADS, v.MLP_DIM) == (p.HIDDEN_DIM, p.NUM_HEADS,
+                                                          p.MLP_DIM)  # fmt: skip
+        assert v.NUM_LAYERS == p.NUM_LAYERS - 1
+    cx = complexity(cfg)
+    if "gflops" in want:  # pycls names its designs by their flops, nominally:
+        # of the family's names, this config's flops are nearest its own
+        nearest = min((1, 4, 18, 36), key=lambda n: abs(cx["flops"] / 1e9 - n))
+        assert nearest == want["gflops"]
+    # The counted parameters: the architecture's formula, and the model built (on
+    # the meta device: no memory, even for ViT-22B).
+    with torch.device("meta"):
+        built = sum(p.numel() for p in build_model(cfg).parameters())
+    assert cx["params"] == vit_param_count(cfg) == built
+
+
+# (width, depth, heads, MLP) as published: ViT-Ti (DeiT, Touvron et al. 2021, Table 1),
+# S/B/L/H (Dosovitskiy et al. 2020, Table 1; S from DeiT), g/G (Zhai et al. 2022,
+# Table 2), e (PaLI, Chen et al. 2022, 3.1), 22B (Dehghani et al. 2023, Table 1).
+PUBLISHED = {
+    "Ti": (192, 12, 3, 768), "S": (384, 12, 6, 1536), "B": (768, 12, 12, 3072),
+    "L": (1024, 24, 16, 4096), "H": (1280, 32, 16, 5120),
+    "g": (1408, 40, 16, 6144), "G": (1664, 48, 16, 8192),
+    "e": (1792, 56, 16, 15360), "22B": (6144, 48, 48, 24576),
+}  # fmt: skip
+
+
+def _named_model(name: str, desc: str) -> dict:
+    """What a shipped config's file name (and its DESC's "N px") says of its model."""
+    if m := re.fullmatch(r"ViT-(\w+)-(\d+)(GF)?", name):  # configs/vit: ViT-B-16
+        if not m[3]:
+            return {"dims": PUBLISHED[m[1]], "patch": int(m[2]), "im_size": 224}
+        stem = {"P": "patchify", "C": "conv"}[m[1]]  # configs/pycls: ViT-P-4GF
+        return {"stem": stem, "patch": 16, "im_size": 224, "gflops": int(m[2])}
+    if m := re.fullmatch(r"deit3?_(ti|s|b)(_ft(\d+))?", name):
+        px = re.search(r"(\d+) px", desc)
+        size = int(m[3] or (px[1] if px else 224))
+        return {"dims": PUBLISHED[m[1].capitalize()], "patch": 16, "im_size": size}
+    assert name.startswith(("vit_", "deit_s_digits")), f"{name}: what model is it?"
+    return {}  # the examples and the digits student: their own shapes
 
 
 def test_overrides_are_typed():
@@ -481,7 +534,9 @@ def _code_only(path):
 
 def test_ignored_keys_are_exactly_the_keys_no_module_reads():
     keys = ignored_keys()
-    assert len(keys) == 51
+    # Ignored keys exist only for pycls's configs to load: each is one of pycls's,
+    # and (below) exactly those of them that nothing here reads.
+    assert keys and [k for k in keys if k not in PYCLS_KEYS] == []
     flat = set(_flat_keys(get_cfg()))
     assert all(k in flat or k in get_cfg() for k in IGNORED)
     sources = glob.glob(os.path.join(ROOT, "pycls_fast", "**", "*.py"), recursive=True)
