@@ -2,12 +2,15 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
 
+from pycls_fast.config import load_cfg
 from pycls_fast.config_doc import undocumented
 from pycls_fast.models.timm_compat import build_timm_vit
+from pycls_fast.parallel.planner import HEADROOM
 from tests.helpers import (
     ROOT,
     TINY,
@@ -15,6 +18,7 @@ from tests.helpers import (
     run_benchmark,
     run_tool,
     tiny_cfg,
+    vit_param_count,
 )
 
 EXAMPLE = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
@@ -243,16 +247,64 @@ def test_check_node_on_cpu_reports_every_check():
     assert any(x.startswith("DDP vs FSDP, 2 CPU processes, gloo") for x in table)
 
 
+ROW = re.compile(
+    r"\s+(?:pp(\d+)m(\d+)x)?(ddp|fsdp)(\d+)(?:xtp(\d+))?(\+ac)?\s+"
+    r"([\d./ ]+) = ([\d.]+)\s+(fits|does not fit), speed ([\d.]+)(\s+<- plan)?$"
+)
+
+
 def test_plan_net_prints_each_layout_and_the_choice():
-    result = run_tool("plan_net.py", "--cfg", "configs/vit/ViT-22B-14.yaml",
-                      "--gpus", "8,64", "TRAIN.BATCH_SIZE", "4096")  # fmt: skip
+    path = "configs/vit/ViT-22B-14.yaml"
+    result = run_tool("plan_net.py", "--cfg", path, "--gpus", "8,64",
+                      "TRAIN.BATCH_SIZE", "4096")  # fmt: skip
     assert result.returncode == 0, result.stderr
-    plans = [line.strip() for line in result.stdout.splitlines() if "plan:" in line]
-    # 8 GPUs need tensor and pipeline parallelism; 64 FSDP and a pipeline.
-    assert plans[0].startswith("plan: pp2m256xddp1xtp4: PARALLEL.PP 2 PARALLEL.TP 4")
-    assert plans[1].startswith("plan: pp2m16xfsdp8xtp4: PARALLEL.PP 2 PARALLEL.TP 4")
-    chosen = [line for line in result.stdout.splitlines() if "<- plan" in line]
-    assert len(chosen) == 2
+    cfg = load_cfg(os.path.join(ROOT, path))
+    assert cfg.OPTIM.OPTIMIZER == "adamw" and cfg.OPTIM.EMA_ALPHA > 0
+    # Derived apart from the planner: fp32 weights, as many gradients, AdamW's two
+    # moments, one EMA copy; the weights outside the blocks (stem, positions, head)
+    # are what a pipeline stage may hold beyond its even share.
+    tenths = vit_param_count(cfg) * 4 / 2**30 * 10  # GiB in tenths, as printed
+    v = cfg.VIT
+    block = 4 * v.HIDDEN_DIM**2 + 2 * v.HIDDEN_DIM * v.MLP_DIM + 9 * v.HIDDEN_DIM
+    outside = (vit_param_count(cfg) - v.NUM_LAYERS * block) * 4 / 2**30 * 10
+    printed = 0.5  # figures are rounded to the tenth: compared as integers of tenths
+    tables = result.stdout.split("plan: ")
+    for gpus, table in zip((8, 64), tables):
+        rows = [m for line in table.splitlines() if (m := ROW.fullmatch(line))]
+        assert len(rows) >= 4, table
+        for m in rows:
+            pp, micro, kind, dp, tp = (int(m[1] or 1), int(m[2] or 1), m[3],
+                                       int(m[4]), int(m[5] or 1))  # fmt: skip
+            assert pp * dp * tp == gpus, m[0]
+            assert 4096 // dp % micro == 0 or micro == 1, m[0]
+            parts = [round(float(x) * 10) for x in m[7].split(" / ")]
+            params, grads, optim, master, ema = parts[:5]
+            total = round(float(m[8]) * 10)
+            shards = pp * tp * (dp if kind == "fsdp" else 1)
+            share = tenths / shards
+            assert share - printed <= params <= share + outside + printed, m[0]
+            assert grads == params == ema and master == 0, m[0]
+            assert abs(optim - 2 * params) <= 2 * printed, m[0]
+            assert abs(sum(parts) - total) <= len(parts) * printed, m[0]
+            limit = HEADROOM * 800  # the planner keeps a margin of each GPU's 80 GiB
+            if abs(total - limit) > len(parts) * printed:  # not decided by rounding
+                assert (m[9] == "fits") == (total <= limit), m[0]
+        # The plan: the fastest of the layouts that fit, marked, and its settings.
+        fitting = [m for m in rows if m[9] == "fits"]
+        best = max(fitting, key=lambda m: float(m[10]))
+        assert [m[0] for m in rows if m[11]] == [best[0]]
+        settings = tables[tables.index(table) + 1].splitlines()[0]
+        pp, micro, kind, tp = best[1], best[2], best[3], best[5] or "1"
+        assert settings.startswith(
+            f"{best[0].split()[0]}: PARALLEL.PP {pp} PARALLEL.TP {tp} FSDP.ENABLED "
+            f"{kind == 'fsdp'} FSDP.ACTIVATION_CHECKPOINT {bool(best[6])} "
+            f"PARALLEL.PP_MICROBATCHES {micro}"
+        ), settings
+        # Unsharded, the 22B fp32 weights alone exceed a GPU's 80 GiB.
+        assert tenths > 800
+        assert [m[9] for m in rows if m[3] == "ddp" and not (m[1] or m[5])] == [
+            "does not fit"
+        ]
     # Nothing fits in 1 GiB: one line says what would help.
     none = run_tool("plan_net.py", "--cfg", "configs/vit/ViT-22B-14.yaml",
                     "--gpu-gib", "1")  # fmt: skip
