@@ -84,15 +84,24 @@ def test_tensorboard_scalars_and_csv_rows_equal_the_json_stats(digits, tmp_path)
 
 
 def test_a_resumed_run_does_not_duplicate_csv_rows(digits, tmp_path):
-    train_model(_cfg(digits, tmp_path))
+    every_epoch = ["TRAIN.CHECKPOINT_PERIOD", "1"]
+    train_model(_cfg(digits, tmp_path, *every_epoch))
     first = _csv_rows(tmp_path)
-    # The last epoch again (its checkpoint removed, as after a crash before it).
+    # The last epoch again (its checkpoint removed, as after a crash before it), at
+    # another learning rate: the rerun's rows differ from the first run's.
     os.remove(tmp_path / "checkpoints" / "model_epoch_0002.pyth")
-    train_model(_cfg(digits, tmp_path))
+    train_model(_cfg(digits, tmp_path, *every_epoch, "OPTIM.BASE_LR", "0.03"))
     again = _csv_rows(tmp_path)
     assert [(r["_type"], r["epoch"]) for r in again] == [
         (r["_type"], r["epoch"]) for r in first
     ]
+    # Epoch 1's rows are the first run's, untouched; epoch 2's are the rerun's
+    # (the last epoch records of the log, which both runs append to).
+    assert again[:3] == first[:3]
     records = load_json_stats(tmp_path / "stdout.log")
-    last = [r for r in records if r["_type"] == "train_epoch"][-1]
-    _same(again[-3], last)  # the rewritten row holds the rerun epoch's values
+    for row in again[3:]:
+        rerun = [r for r in records if r["_type"] == row["_type"]][-1]
+        _same(row, rerun)
+    assert again[3]["loss"] != first[3]["loss"]  # so the rows above were rewritten
+    with open(tmp_path / "stdout.log") as f:
+        assert "resumed from" in f.read()  # at epoch 2, not rerun from the start
