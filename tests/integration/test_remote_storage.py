@@ -2,7 +2,10 @@
 mode on 127.0.0.1, started here): pack shards to it, train from them, checkpoint to
 it, kill, resume from it in a fresh mirror, and end as the uninterrupted run does."""
 
+import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,8 +15,9 @@ import time
 import pytest
 import torch
 
+from pycls_fast.checkpoint import files, sharded
 from pycls_fast.datasets.formats.synthetic import make_image_folder
-from tests.helpers import ROOT, TINY
+from tests.helpers import ROOT, TINY, start_tool
 
 pytest.importorskip("moto.server", reason="moto[server] is a test dependency")
 s3fs = pytest.importorskip("s3fs", reason="s3fs is a test dependency")
@@ -28,10 +32,16 @@ def _free_port():
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
+def server_log(tmp_path_factory):
+    """The server's request log: one line per request, in the order it answered."""
+    return tmp_path_factory.mktemp("moto") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def s3(server_log):
     """The server's environment (endpoint and credentials), with a fresh bucket."""
     port = _free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")  # noqa: SIM115 - the server writes it until the fixture ends
+    log = open(server_log, "w")  # noqa: SIM115 - the server writes it until the fixture ends
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=log,
@@ -73,12 +83,8 @@ def _fs():
     return s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"])
 
 
-def _tool(name, *args, env, **kw):
-    cmd = [sys.executable, os.path.join(ROOT, "tools", name), *args]
-    return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, **kw,
-    )  # fmt: skip
+def _tool(name, *args, env):
+    return start_tool(name, *args, env=env, stderr=subprocess.STDOUT)
 
 
 def _train_args(out_dir, mirror):
@@ -91,6 +97,13 @@ def _train_args(out_dir, mirror):
         "TRAIN.CHECKPOINT_KEEP", "2", "DATA_LOADER.NUM_WORKERS", "2",
         "TRAIN.MIXED_PRECISION", "False", "NUM_GPUS", "1", "LOG_PERIOD", "2",
     ]  # fmt: skip
+
+
+def _json_stats(output):
+    """The json_stats records of a run's printed output."""
+    marker = "json_stats: "
+    return [json.loads(line.split(marker, 1)[1])
+            for line in output.splitlines() if marker in line]  # fmt: skip
 
 
 def _final_weights(path):
@@ -151,7 +164,30 @@ def test_train_from_and_checkpoint_to_s3_kill_and_resume(s3, tmp_path):
         assert torch.equal(got[key], want[key]), key
 
 
-def test_sharded_checkpoints_of_two_fsdp_ranks_on_s3(s3, tmp_path):
+def _stored_order(server_log, prefix):
+    """The keys under `prefix` in the order the server completed their uploads (a
+    PUT, or the POST that completes a multipart upload), from its request log."""
+    with open(server_log) as f:
+        log = f.read()
+    pattern = rf'"(?:PUT|POST) /{BUCKET}/{re.escape(prefix)}/?([^ ?]+)(\?[^ ]*)? HTTP'
+    order = []
+    for m in re.finditer(pattern, log):
+        query = m[2] or ""
+        if "partNumber" in query or "uploads" in query:
+            continue  # a part, or the start of a multipart upload
+        order.append(m[1])
+    return order
+
+
+def _consolidated_weights(fs, key, tmp_path):
+    """The model weights of the sharded checkpoint at s3://`key`, in one process."""
+    local = tmp_path / os.path.basename(key)
+    fs.get(key, str(local), recursive=True)
+    sharded.consolidate(str(local), str(tmp_path / "one.pyth"))
+    return files.load_checkpoint(str(tmp_path / "one.pyth"))["model_state"]
+
+
+def test_sharded_checkpoints_of_two_fsdp_ranks_on_s3(s3, server_log, tmp_path):
     folder = make_image_folder(
         str(tmp_path / "folder"), num_classes=4, images_per_class=8, size=(48, 40)
     )
@@ -162,8 +198,8 @@ def test_sharded_checkpoints_of_two_fsdp_ranks_on_s3(s3, tmp_path):
     assert pack.returncode == 0, out
     run = f"s3://{BUCKET}/fsdp_run"
 
-    def train(mirror, epochs):
-        args = _train_args(run, str(tmp_path / mirror))
+    def train(mirror, epochs, out=run):
+        args = _train_args(out, str(tmp_path / mirror) if out == run else "")
         args[args.index("OPTIM.MAX_EPOCH") + 1] = epochs
         args[args.index("NUM_GPUS") + 1] = "2"
         args[args.index("DATA.PATH") + 1] = data
@@ -179,14 +215,31 @@ def test_sharded_checkpoints_of_two_fsdp_ranks_on_s3(s3, tmp_path):
         os.path.basename(p)
         for p in fs.find(f"{BUCKET}/fsdp_run/checkpoints/model_epoch_0002.dcp")
     )
-    # Each rank uploaded its own part; .metadata (rank 0's, last) completes it.
-    assert ".metadata" in parts
-    assert {"__0_0.distcp", "__1_0.distcp"} <= set(parts)
+    # Each rank uploaded its own part; .metadata (rank 0's) completes it, so the
+    # server must have stored it after both parts.
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(parts)
+    order = _stored_order(server_log, "fsdp_run/checkpoints/model_epoch_0002.dcp")
+    assert sorted(order) == sorted(parts), order
+    assert order[-1] == ".metadata", order
     out = train("m2", "3")  # a fresh mirror: the sharded checkpoint comes back
     assert "fetched checkpoints: model_epoch_0002.dcp" in out
-    assert "resumed from" in out
+    # The resumed run's state: epoch 3 only, from the stored epoch 2: its weights
+    # are those of the same resumption from the first run's local mirror.
+    epochs = [r["epoch"] for r in _json_stats(out) if r["_type"] == "train_epoch"]
+    assert epochs == ["3/3"]
+    shutil.copytree(tmp_path / "m1", tmp_path / "ref")
+    train("", "3", out=str(tmp_path / "ref"))
     fs.invalidate_cache()
     assert fs.exists(f"{BUCKET}/fsdp_run/checkpoints/model_epoch_0003.dcp/.metadata")
+    got = _consolidated_weights(
+        fs, f"{BUCKET}/fsdp_run/checkpoints/model_epoch_0003.dcp", tmp_path / "got"
+    )
+    ref = tmp_path / "ref" / "checkpoints" / "model_epoch_0003.dcp"
+    sharded.consolidate(str(ref), str(tmp_path / "ref.pyth"))
+    want = files.load_checkpoint(str(tmp_path / "ref.pyth"))["model_state"]
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
 
 
 def test_pipeline_checkpoints_without_fsdp_arrive_whole_on_s3(s3, tmp_path):
