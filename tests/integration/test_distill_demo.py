@@ -4,7 +4,14 @@ from it with a distillation token; and the same student sharded by FSDP."""
 
 import os
 
-from tests.helpers import DIGITS_CFG, ROOT, run_tool
+from pycls_fast.observe.logging import load_json_stats
+from tests.helpers import (
+    DIGITS_CFG,
+    ROOT,
+    chance_error_bound,
+    held_out_images,
+    run_tool,
+)
 
 STUDENT_CFG = os.path.join(ROOT, "configs/deit/deit_s_digits_distill.yaml")
 SMALL = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "DATA_LOADER.NUM_WORKERS", "1"]
@@ -29,7 +36,13 @@ def test_student_learns_from_the_teacher(digits, tmp_path):
     assert f"DISTILL.TYPE hard: teacher: loaded model weights of {weights}" in (
         result.stdout
     )
-    assert "final top-1 accuracy" in result.stdout
+    # The student learns: its training loss falls from epoch to epoch, and it
+    # classifies the held-out digits better than chance can.
+    records = load_json_stats(str(tmp_path / "s" / "stdout.log"))
+    train = [r["loss"] for r in records if r["_type"] == "train_epoch"]
+    assert len(train) == 2 and train[1] < train[0], train
+    test = [r for r in records if r["_type"] == "test_epoch"][-1]
+    assert test["top1_err"] < chance_error_bound(10, held_out_images(digits)), test
     # Under FSDP (2 processes), the teacher sharded as the student is.
     result = run_tool("train_net.py", *student, "NUM_GPUS", "2", "FSDP.ENABLED",
                       "True", "TRAIN.MIXED_PRECISION", "False", "OPTIM.MAX_EPOCH", "1",
