@@ -1,13 +1,17 @@
 """Shared test helpers: the repository root, tiny configs, running a tool."""
 
 import ast
+import contextlib
 import glob
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 
-from pycls_fast.config import load_cfg
+import torch
+
+from pycls_fast.config import get_cfg, load_cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS_CFG = os.path.join(ROOT, "configs/examples/vit_digits.yaml")
@@ -30,11 +34,41 @@ def tiny_cfg(*opts: str):
     return load_cfg(None, TINY + list(opts))
 
 
-def run_tool(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Runs `python tools/<name> args...` from the repository root, output captured."""
-    cmd = [sys.executable, os.path.join(ROOT, "tools", name), *args]
+def tool_command(name: str, *args: str, launcher: Sequence[str] = ()) -> list[str]:
+    """`python tools/<name> args...`, or `launcher tools/<name> args...` (e.g.
+    torchrun's `python -m torch.distributed.run --nproc_per_node 2`)."""
+    return [*(launcher or [sys.executable]), os.path.join(ROOT, "tools", name), *args]
+
+
+def one_thread_env(**extra: str) -> dict[str, str]:
+    """This environment with one thread per process (OMP_NUM_THREADS=1): processes
+    that share the machine's cores do not oversubscribe them."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def run_tool(
+    name: str,
+    *args: str,
+    timeout: int = 600,
+    env: Mapping[str, str] | None = None,
+    launcher: Sequence[str] = (),
+) -> subprocess.CompletedProcess:
+    """Runs `python tools/<name> args...` from the repository root, output captured
+    as text; `env`: the process's whole environment (default: this one's)."""
     return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        tool_command(name, *args, launcher=launcher),
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
+    )  # fmt: skip
+
+
+def start_tool(
+    name: str, *args: str, env: Mapping[str, str] | None = None, **popen
+) -> subprocess.Popen:
+    """Starts `python tools/<name> args...` from the repository root, stdout and
+    stderr piped as text (`popen` overrides, e.g. stderr=subprocess.STDOUT)."""
+    kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    return subprocess.Popen(
+        tool_command(name, *args), text=True, cwd=ROOT, env=env, **kw
     )
 
 
@@ -110,3 +144,96 @@ def assert_help_lists(path: str, result: subprocess.CompletedProcess) -> None:
     assert documented, f"{path} documents no option: nothing to check"
     shown = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", result.stdout))
     assert sorted(documented - shown) == [], f"{path}: documented, not in --help"
+
+
+# Where a claim is exactness (two layouts or schedules of the same sums), runs are
+# compared in float64: they differ only in the order of their sums, so they agree to
+# within rounding noise many orders below any real defect, on any CPU. sqrt(float64
+# eps) ~ 1.5e-8: float64 summation-order noise (n * eps ~ 1e-13 for the reductions of a
+# tiny model, amplified over a few steps) stays far below it, and a defect (a wrong
+# shard, a missing reduction) moves weights by 1e-3 or more.
+EXACT = {"rtol": torch.finfo(torch.float64).eps ** 0.5, "atol": 1e-12}
+
+
+@contextlib.contextmanager
+def float64_default():
+    """Models, optimizers and synthetic inputs built inside are float64 (see EXACT)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def chance_error_bound(classes: int, images: int, sigmas: float = 5.0) -> float:
+    """A top-1 error (%) that guessing among `classes` balanced classes reaches on
+    `images` test images with probability under ~3e-7 (`sigmas` binomial standard
+    deviations below its mean error): an error below it means the model learned."""
+    p = 1.0 / classes
+    return 100.0 * ((1.0 - p) - sigmas * (p * (1.0 - p) / images) ** 0.5)
+
+
+def digits_opts(digits: str, out_dir, *opts: str) -> list[str]:
+    """Overrides of the digits demo config (DIGITS_CFG), shrunk for tests: 16 px
+    images, 2 blocks of width 32 (MLP 64), 128 images a step (11 steps an epoch),
+    200 a test batch, 1 loader thread; `opts` come last, so they win."""
+    return [
+        "DATA.PATH", digits, "OUT_DIR", str(out_dir),
+        "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
+        "VIT.NUM_LAYERS", "2", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
+        "TRAIN.BATCH_SIZE", "128", "TEST.BATCH_SIZE", "200",
+        "DATA_LOADER.NUM_WORKERS", "1",
+        *opts,
+    ]  # fmt: skip
+
+
+def digits_cfg(digits: str, out_dir, *opts: str):
+    """The checked config of `digits_opts`."""
+    return load_cfg(DIGITS_CFG, digits_opts(digits, out_dir, *opts))
+
+
+def loader_cfg(root: str, tmp_path, classes: int, **over):
+    """A config for the loaders alone over the image folder `root`: 32 px training
+    crops, 36 px test resizes, 4 images a batch, 2 loader threads. `over` sets
+    NODE__KEY=value (e.g. DATA__FORMAT="shards") last."""
+    cfg = get_cfg()
+    cfg.DATA.PATH = root
+    cfg.OUT_DIR = str(tmp_path / "out")
+    cfg.MODEL.NUM_CLASSES = classes
+    cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE = 32, 36
+    cfg.TRAIN.BATCH_SIZE, cfg.TEST.BATCH_SIZE = 4, 4
+    cfg.DATA_LOADER.NUM_WORKERS = 2
+    for key, value in over.items():
+        node, name = key.split("__")
+        cfg[node][name] = value
+    return cfg
+
+
+def one_epoch(loader, epoch: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every (images, labels) batch of `epoch`, copied out of the loader's buffers."""
+    loader.set_epoch(epoch)
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def order_tolerance(dtype: torch.dtype, terms: int, steps: int = 1) -> float:
+    """A relative tolerance for two computations of one value that differ only in
+    the order of their floating-point sums (a batch split over ranks or micro-batches,
+    another kernel's blocking), where comparing in float64 is not possible (a tool's
+    printed figures, a low-precision mode under test). A sum of `terms` values errs
+    by at most (terms - 1) * u relative to the sum of their magnitudes (u = eps / 2;
+    Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., 4.2), so two
+    orders differ by at most terms * eps; `steps` chained steps (training steps
+    compound their errors) add their bounds. A worst case: the typical difference is
+    about sqrt(terms) times smaller."""
+    return terms * torch.finfo(dtype).eps * steps
+
+
+def held_out_images(root: str) -> int:
+    """The images of the image folder `root`'s val split."""
+    return sum(len(files) for _, _, files in os.walk(os.path.join(root, "val")))
+
+
+def one_image_pct(root: str) -> float:
+    """One val image of the folder `root` as a top-1 error (%), plus json_stats'
+    rounding (6 significant digits) of the two errors compared."""
+    return 100.0 / held_out_images(root) + 2 * 5e-6 * 100.0

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from pycls_fast.checkpoint import files, sharded
-from pycls_fast.config import load_cfg
 from pycls_fast.engine import trainer
 from pycls_fast.errors import CheckpointError
-from tests.helpers import DIGITS_CFG, ROOT
+from tests.helpers import DIGITS_CFG, ROOT, digits_cfg
 
 
 class _Planted:
@@ -59,14 +58,10 @@ def test_checkpoints_of_numpy_rng_states_are_refused_clearly(tmp_path):
 
 
 def _cfg(digits, out_dir, *opts):
-    return load_cfg(
-        DIGITS_CFG,
-        [
-            "DATA.PATH", digits, "OUT_DIR", str(out_dir),
-            "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "VIT.NUM_LAYERS", "1",
-            "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64", "OPTIM.MAX_EPOCH", "1",
-            "DATA_LOADER.NUM_WORKERS", "1", *opts,
-        ],
+    # The demo's own batch sizes (64 / 200).
+    return digits_cfg(
+        digits, out_dir, "VIT.NUM_LAYERS", "1", "TRAIN.BATCH_SIZE", "64",
+        "OPTIM.MAX_EPOCH", "1", *opts,
     )  # fmt: skip
 
 

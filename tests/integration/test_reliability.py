@@ -19,41 +19,32 @@ from pycls_fast.engine.trainer import train_model
 from pycls_fast.errors import UserError
 from pycls_fast.observe.logging import load_json_stats
 from pycls_fast.runtime.run_lock import OutDirInUseError, RunLock
-from tests.helpers import DIGITS_CFG, ROOT
+from tests.helpers import DIGITS_CFG, ROOT, digits_opts, one_thread_env, tool_command
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
-TRAIN_NET = os.path.join(ROOT, "tools/train_net.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 def _opts(digits, out_dir, *extra):
     """The demo config at 16 px, 2 blocks: 11 iterations an epoch, 2 epochs, with
     mixup, label smoothing and drop path so that every random stream matters."""
-    return [
-        "DATA.PATH", digits, "OUT_DIR", str(out_dir),
-        "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
-        "VIT.NUM_LAYERS", "2", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
-        "TRAIN.BATCH_SIZE", "128", "OPTIM.MAX_EPOCH", "2", "OPTIM.WARMUP_EPOCHS", "1",
+    return digits_opts(
+        digits, out_dir, "OPTIM.MAX_EPOCH", "2", "OPTIM.WARMUP_EPOCHS", "1",
         "TRAIN.MIXUP_ALPHA", "0.2", "TRAIN.LABEL_SMOOTHING", "0.1",
         "VIT.DROP_PATH", "0.1", "LOG_PERIOD", "1", "DATA_LOADER.NUM_WORKERS", "2",
         *extra,
-    ]  # fmt: skip
-
-
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+    )  # fmt: skip
 
 
 def _start(digits, out_dir, *extra, launcher=None):
-    cmd = launcher or [sys.executable]
-    cmd = [*cmd, TRAIN_NET, "--cfg", DIGITS_CFG, *_opts(digits, out_dir, *extra)]
+    args = ["--cfg", DIGITS_CFG, *_opts(digits, out_dir, *extra)]
     return subprocess.Popen(
-        cmd,
+        tool_command("train_net.py", *args, launcher=launcher or ()),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=one_thread_env(),
         cwd=ROOT,
         start_new_session=True,  # signals go where the test sends them, nowhere else
     )

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pycls_fast.config import get_cfg
 from pycls_fast.datasets.formats.synthetic import make_image_folder
 from pycls_fast.datasets.loader import (
     BadImagesError,
@@ -25,6 +24,7 @@ from pycls_fast.datasets.loader import (
     construct_train_loader,
 )
 from pycls_fast.errors import UserError
+from tests.helpers import loader_cfg, one_epoch
 
 COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
 GOOD_PER_CLASS = 6
@@ -122,24 +122,13 @@ def clean_root(tmp_path_factory):
 
 
 def _cfg(root, tmp_path, mode, **over):
-    cfg = get_cfg()
-    cfg.DATA.PATH = root
-    cfg.OUT_DIR = str(tmp_path / "out")
-    cfg.MODEL.NUM_CLASSES = len(COLOURS)
-    cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE = 16, 18
-    cfg.TRAIN.BATCH_SIZE, cfg.TEST.BATCH_SIZE = 5, 4
-    cfg.DATA_LOADER.MODE = "threads" if mode == "inline" else mode
-    cfg.DATA_LOADER.NUM_WORKERS = 0 if mode == "inline" else 2
-    cfg.DATA_LOADER.MAX_BAD_FRAC = 0.25
-    for key, value in over.items():
-        node, name = key.split("__")
-        cfg[node][name] = value
-    return cfg
-
-
-def _epoch(loader, epoch=0):
-    loader.set_epoch(epoch)
-    return [(x.clone(), y.clone()) for x, y in loader]
+    mine = {
+        "TRAIN__IM_SIZE": 16, "TEST__IM_SIZE": 18, "TRAIN__BATCH_SIZE": 5,
+        "DATA_LOADER__MODE": "threads" if mode == "inline" else mode,
+        "DATA_LOADER__NUM_WORKERS": 0 if mode == "inline" else 2,
+        "DATA_LOADER__MAX_BAD_FRAC": 0.25,
+    }  # fmt: skip
+    return loader_cfg(root, tmp_path, len(COLOURS), **{**mine, **over})
 
 
 def _assert_colours_match_labels(batches):
@@ -161,7 +150,7 @@ def test_bad_files_skipped_counted_logged_labels_right(
     loader = construct_train_loader(_cfg(faulty_root, tmp_path, mode))
     assert len(loader) == NUM_FILES // 5  # every file is planned: 5 batches of 5
     with caplog.at_level(logging.WARNING, logger="pycls_fast.datasets.loader"):
-        batches = _epoch(loader)
+        batches = one_epoch(loader)
     good = NUM_FILES - len(BAD)
     assert sum(len(y) for _, y in batches) == good == loader.stats()["images"]
     assert loader.stats()["bad_images"] == len(BAD) == 5
@@ -184,7 +173,7 @@ def test_too_many_bad_files_abort_naming_the_fraction(faulty_root, tmp_path, mod
     loader = construct_train_loader(cfg)
     # 10% of 25 allows 2.5 bad images: the third one aborts.
     with pytest.raises(BadImagesError) as info:
-        _epoch(loader)
+        one_epoch(loader)
     message = str(info.value)
     assert message.startswith("3 images of 25 (12.0%) failed to decode in epoch 0")
     assert "more than DATA_LOADER.MAX_BAD_FRAC (0.1) allows; first: " in message
@@ -192,7 +181,7 @@ def test_too_many_bad_files_abort_naming_the_fraction(faulty_root, tmp_path, mod
     assert isinstance(info.value, UserError)  # tools exit with status 2
     # The loader stopped its threads / workers: a fresh epoch runs (and aborts) again.
     with pytest.raises(BadImagesError):
-        _epoch(loader, 1)
+        one_epoch(loader, 1)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -244,7 +233,7 @@ def test_eval_drops_all_bad_batch_and_counts_every_good_image(
     cfg = _cfg(faulty_root, tmp_path, mode, TEST__BATCH_SIZE=6)
     loader = construct_test_loader(cfg)
     assert len(loader) == 4
-    batches = _epoch(loader)
+    batches = one_epoch(loader)
     assert [len(y) for _, y in batches] == [6, 6, 6]  # no empty batch
     assert loader.stats()["bad_images"] == 1
     assert _bad_names(loader) == ["zz_garbage.JPEG"]
@@ -256,7 +245,7 @@ def test_eval_drops_all_bad_batch_and_counts_every_good_image(
 def test_train_batch_of_only_bad_images_is_yielded_empty(faulty_root, tmp_path):
     # Batches of one: each bad file is a batch on its own; ranks must stay in step.
     cfg = _cfg(faulty_root, tmp_path, "threads", TRAIN__BATCH_SIZE=1)
-    batches = _epoch(construct_train_loader(cfg))
+    batches = one_epoch(construct_train_loader(cfg))
     sizes = [len(y) for _, y in batches]
     assert len(sizes) == NUM_FILES and sizes.count(0) == len(BAD)
     empty = next(x for x, y in batches if len(y) == 0)
@@ -309,7 +298,7 @@ def test_fuzzed_image_files_never_escape_as_errors(tmp_path):
     cfg.MODEL.NUM_CLASSES = 2
     cfg.DATA_LOADER.MAX_BAD_FRAC = 1.0
     loader = construct_train_loader(cfg)
-    batches = _epoch(loader)
+    batches = one_epoch(loader)
     labels = np.concatenate([y.numpy() for _, y in batches])
     bad = loader.stats()["bad_images"]
     assert len(labels) + bad == 40

@@ -10,7 +10,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
@@ -18,32 +17,26 @@ import pytest
 import torch
 
 from pycls_fast.checkpoint import files
-from tests.helpers import DIGITS_CFG, ROOT
+from tests.helpers import DIGITS_CFG, ROOT, digits_opts, run_tool, start_tool
 
 CLUSTER = os.path.join(ROOT, "tests", "slurm", "cluster.sh")
 
 
 def _opts(digits, out_dir, *more):
-    return [
-        "DATA.PATH", digits, "OUT_DIR", str(out_dir), "NUM_GPUS", "2",
-        "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "VIT.NUM_LAYERS", "1",
-        "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64", "TRAIN.BATCH_SIZE", "64",
-        "TEST.BATCH_SIZE", "200", "OPTIM.MAX_EPOCH", "4", "OPTIM.WARMUP_EPOCHS", "1",
+    return digits_opts(
+        digits, out_dir, "NUM_GPUS", "2", "VIT.NUM_LAYERS", "1",
+        "TRAIN.BATCH_SIZE", "64", "OPTIM.MAX_EPOCH", "4", "OPTIM.WARMUP_EPOCHS", "1",
         "LOG_PERIOD", "2", "TRAIN.PREEMPT_CHECK_PERIOD", "1",
-        "DATA_LOADER.NUM_WORKERS", "1", "LAUNCH.CPU_ONLY", "True",
-        "LAUNCH.CPUS_PER_GPU", "1", "LAUNCH.MEM_PER_GPU", "1",
-        "LAUNCH.PARTITION", "debug", "LAUNCH.TIME_LIMIT", "30", *more,
-    ]  # fmt: skip
+        "LAUNCH.CPU_ONLY", "True", "LAUNCH.CPUS_PER_GPU", "1",
+        "LAUNCH.MEM_PER_GPU", "1", "LAUNCH.PARTITION", "debug",
+        "LAUNCH.TIME_LIMIT", "30", *more,
+    )  # fmt: skip
 
 
 def _train(*opts, wait=True):
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "train_net.py"),
-           "--cfg", DIGITS_CFG, *opts]  # fmt: skip
     if not wait:
-        return subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        return start_tool("train_net.py", "--cfg", DIGITS_CFG, *opts)
+    return run_tool("train_net.py", "--cfg", DIGITS_CFG, *opts)
 
 
 def _weights(out_dir):

@@ -3,7 +3,6 @@ sweep on the digits fixture: setup -> launch (2 at a time) -> collect -> analyze
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -20,7 +19,14 @@ from pycls_fast.sweep.config import load_sweep_cfg, sweep_dir
 from pycls_fast.sweep.launcher import Job, LocalBackend, launch_sweep
 from pycls_fast.sweep.report import analyze_sweep
 from pycls_fast.sweep.setup import load_forks, sample_forks, setup_sweep
-from tests.helpers import DIGITS_CFG, ROOT, TINY, assert_help_lists
+from tests.helpers import (
+    DIGITS_CFG,
+    ROOT,
+    TINY,
+    assert_help_lists,
+    one_thread_env,
+    run_tool,
+)
 
 TRAIN_NET = os.path.join(ROOT, "tools/train_net.py")
 
@@ -258,10 +264,7 @@ def test_the_example_sweep_sets_up(monkeypatch):
 
 @pytest.mark.parametrize("name", ["setup", "launch", "collect", "analyze"])
 def test_tools_help(name):
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", f"sweep_{name}.py"), "--help"],
-        capture_output=True, text=True, env=_env(), timeout=120,
-    )  # fmt: skip
+    result = run_tool(f"sweep_{name}.py", "--help", env=_env(), timeout=120)
     assert_help_lists(f"tools/sweep_{name}.py", result)
 
 
@@ -305,15 +308,11 @@ def test_bad_sweep_configs_name_the_key(tmp_path, change, words):
 
 # ------------------------------ a whole sweep, for real ---------------------------- #
 def _env():
-    return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    return one_thread_env(PYTHONPATH=ROOT)
 
 
 def _tool(name, sweep_file, *args):
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", name), "--sweep-cfg", sweep_file,
-         *args],
-        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300,
-    )  # fmt: skip
+    return run_tool(name, "--sweep-cfg", sweep_file, *args, env=_env(), timeout=300)
 
 
 def _read(path):

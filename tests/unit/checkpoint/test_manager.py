@@ -22,7 +22,7 @@ from pycls_fast.datasets.to_device.transform import DeviceBatchTransform
 from pycls_fast.engine.trainer import train_model
 from pycls_fast.launch.processes import launch
 from pycls_fast.observe.logging import load_json_stats
-from tests.helpers import DIGITS_CFG
+from tests.helpers import digits_cfg
 
 
 def test_epoch_cadence_saves_every_period_and_the_last_epoch():
@@ -126,17 +126,10 @@ def test_without_keep_best_there_is_no_pointer(tmp_path):
 
 
 def _cfg(digits, out_dir, *opts):
-    return load_cfg(
-        DIGITS_CFG,
-        [
-            "DATA.PATH", digits, "OUT_DIR", str(out_dir),
-            "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
-            "VIT.NUM_LAYERS", "1", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
-            "TRAIN.BATCH_SIZE", "128", "TEST.BATCH_SIZE", "200",
-            "OPTIM.WARMUP_EPOCHS", "0", "OPTIM.BASE_LR", "0.005",
-            "LOG_PERIOD", "5", "DATA_LOADER.NUM_WORKERS", "1",
-            *opts,
-        ],
+    return digits_cfg(
+        digits, out_dir, "VIT.NUM_LAYERS", "1",
+        "OPTIM.WARMUP_EPOCHS", "0", "OPTIM.BASE_LR", "0.005", "LOG_PERIOD", "5",
+        *opts,
     )  # fmt: skip
 
 

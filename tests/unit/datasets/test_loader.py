@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pycls_fast.config import ConfigError, get_cfg
+from pycls_fast.config import ConfigError
 from pycls_fast.datasets.formats.synthetic import make_image_folder
 from pycls_fast.datasets.loader import (
     BadImagesError,
@@ -15,6 +15,7 @@ from pycls_fast.datasets.loader import (
     construct_train_loader,
 )
 from pycls_fast.errors import UserError
+from tests.helpers import loader_cfg, one_epoch
 
 NUM_CLASSES, PER_CLASS = 3, 6  # 18 images per split
 
@@ -28,27 +29,12 @@ def data_root(tmp_path_factory):
 
 
 def _cfg(root, tmp_path, **over):
-    cfg = get_cfg()
-    cfg.DATA.PATH = root
-    cfg.OUT_DIR = str(tmp_path / "out")
-    cfg.MODEL.NUM_CLASSES = NUM_CLASSES
-    cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE = 32, 36
-    cfg.TRAIN.BATCH_SIZE, cfg.TEST.BATCH_SIZE = 4, 4
-    cfg.DATA_LOADER.NUM_WORKERS = 2
-    for key, value in over.items():
-        node, name = key.split("__")
-        cfg[node][name] = value
-    return cfg
-
-
-def _epoch(loader, epoch=0):
-    loader.set_epoch(epoch)
-    return [(x.clone(), y.clone()) for x, y in loader]
+    return loader_cfg(root, tmp_path, NUM_CLASSES, **over)
 
 
 def test_train_batches_shape_dtype_and_len(data_root, tmp_path):
     loader = construct_train_loader(_cfg(data_root, tmp_path))
-    batches = _epoch(loader)
+    batches = one_epoch(loader)
     assert len(loader) == len(batches) == 18 // 4
     images, labels = batches[0]
     assert images.shape == (4, 3, 32, 32) and images.dtype == torch.uint8
@@ -66,12 +52,12 @@ def test_two_ranks_disjoint_equal_and_deterministic(data_root, tmp_path):
     # The images a rank reads, as index arrays: disjoint, and the same on a rerun.
     plans = [np.concatenate(lo.plan(5)) for lo in loaders]
     assert not set(plans[0]) & set(plans[1])
-    a = _epoch(loaders[0], 5)
-    b = _epoch(construct_train_loader(cfg, rank=0, world_size=2), 5)
+    a = one_epoch(loaders[0], 5)
+    b = one_epoch(construct_train_loader(cfg, rank=0, world_size=2), 5)
     assert all(
         torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b)
     )
-    c = _epoch(loaders[0], 6)
+    c = one_epoch(loaders[0], 6)
     assert not all(torch.equal(x[0], y[0]) for x, y in zip(a, c))
     assert a[0][0].shape[0] == 2
 
@@ -80,9 +66,9 @@ def test_deit_pieces_keep_modes_identical_and_ranks_one_process(data_root, tmp_p
     over = {"DATA__TRAIN_CROP": "simple_random", "TRAIN__THREE_AUGMENT": True,
             "TRAIN__COLOR_JITTER": 0.3, "TRAIN__REPEATED_AUG": 3}  # fmt: skip
     cfg = _cfg(data_root, tmp_path, **over)
-    threads = _epoch(construct_train_loader(cfg), 1)
+    threads = one_epoch(construct_train_loader(cfg), 1)
     cfg.DATA_LOADER.MODE = "processes"
-    procs = _epoch(construct_train_loader(cfg), 1)
+    procs = one_epoch(construct_train_loader(cfg), 1)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(threads, procs))
     # Two ranks: each image decoded exactly as one process decodes it.
     cfg.DATA_LOADER.MODE = "threads"
@@ -101,20 +87,20 @@ def test_deit_pieces_keep_modes_identical_and_ranks_one_process(data_root, tmp_p
     for r in (0, 1):
         loader = construct_train_loader(cfg, rank=r, world_size=2)
         mine = np.concatenate(loader.plan(1))
-        got = torch.cat([x for x, _ in _epoch(loader, 1)])
+        got = torch.cat([x for x, _ in one_epoch(loader, 1)])
         for i, x in zip(mine.tolist(), got):
             assert torch.equal(x, by_index[i])
 
 
 def test_all_modes_yield_identical_batches(data_root, tmp_path):
-    threads = _epoch(construct_train_loader(_cfg(data_root, tmp_path)), 2)
-    inline = _epoch(
+    threads = one_epoch(construct_train_loader(_cfg(data_root, tmp_path)), 2)
+    inline = one_epoch(
         construct_train_loader(_cfg(data_root, tmp_path, DATA_LOADER__NUM_WORKERS=0)), 2
     )
     assert len(threads) == len(inline) == 4
     for mode in ("spdl", "processes"):
         cfg = _cfg(data_root, tmp_path, DATA_LOADER__MODE=mode)
-        other = _epoch(construct_train_loader(cfg), 2)
+        other = one_epoch(construct_train_loader(cfg), 2)
         assert len(other) == 4
         for (x, y), (p, q), (s, t) in zip(threads, other, inline):
             assert torch.equal(x, p) and torch.equal(y, q)
@@ -130,12 +116,12 @@ def test_with_plan_yields_the_fixed_batches_in_that_mode(data_root, tmp_path, mo
     assert loader.mode == "threads" and len(loader) == 4  # the original is unchanged
     labels = loader.decoder.index.labels
     for epoch in (0, 3):  # the same batches every epoch; crops follow the epoch
-        got = _epoch(fixed, epoch)
+        got = one_epoch(fixed, epoch)
         assert [len(y) for _, y in got] == [3, 2]
         for (_, y), b in zip(got, plan):
             assert torch.equal(y, torch.as_tensor(labels[b], dtype=torch.int64))
     # Same images and crops as the default mode on the same plan.
-    ref = _epoch(loader.with_plan(plan), 3)
+    ref = one_epoch(loader.with_plan(plan), 3)
     assert all(torch.equal(x, p) for (x, _), (p, _) in zip(ref, got))
 
 
@@ -155,14 +141,14 @@ def test_test_split_covered_once_across_ranks(data_root, tmp_path):
     seen = []
     for rank in (0, 1):
         loader = construct_test_loader(cfg, rank=rank, world_size=2)
-        batches = _epoch(loader)
+        batches = one_epoch(loader)
         assert [len(y) for _, y in batches] == [4, 4, 1]
         seen += [y for _, y in batches]
     labels = torch.cat(seen)
     assert torch.bincount(labels).tolist() == [PER_CLASS] * NUM_CLASSES
     # Center crops are deterministic: a second pass gives the same pixels.
-    again = _epoch(construct_test_loader(cfg, rank=0, world_size=2), 7)
-    first = _epoch(construct_test_loader(cfg, rank=0, world_size=2), 0)
+    again = one_epoch(construct_test_loader(cfg, rank=0, world_size=2), 7)
+    first = one_epoch(construct_test_loader(cfg, rank=0, world_size=2), 0)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(again, first))
 
 
@@ -190,7 +176,7 @@ def test_corrupt_images_skipped_counted_logged(tmp_path, caplog, mode):
     cfg.DATA_LOADER.MODE = mode
     loader = construct_train_loader(cfg)
     with caplog.at_level(logging.WARNING, logger="pycls_fast.datasets.loader"):
-        batches = _epoch(loader)
+        batches = one_epoch(loader)
     assert [len(y) for _, y in batches] == [15]  # 17 images, 2 skipped
     assert batches[0][0].shape == (15, 3, 32, 32)
     assert loader.stats()["bad_images"] == 2
@@ -206,7 +192,7 @@ def test_too_many_bad_images_abort(tmp_path):
     cfg = _cfg(bad_root, tmp_path, TRAIN__BATCH_SIZE=17, DATA_LOADER__MAX_BAD_FRAC=0.1)
     cfg.MODEL.NUM_CLASSES = 2
     with pytest.raises(BadImagesError, match=r"2 images .*MAX_BAD_FRAC \(0.1\)"):
-        _epoch(construct_train_loader(cfg))
+        one_epoch(construct_train_loader(cfg))
 
 
 def test_user_errors(data_root, tmp_path):
@@ -244,7 +230,7 @@ def test_index_cache_written_in_out_dir(data_root, tmp_path):
 
 def test_resume_mid_epoch_skips_batches(data_root, tmp_path):
     loader = construct_train_loader(_cfg(data_root, tmp_path))
-    full = _epoch(loader, 4)
+    full = one_epoch(loader, 4)
     loader.set_epoch(4, start_batch=3)
     assert len(loader) == 1
     rest = [(x.clone(), y.clone()) for x, y in loader]
@@ -258,7 +244,7 @@ def test_stage_stats_logged_on_request(data_root, tmp_path, caplog):
         _cfg(data_root, tmp_path, DATA_LOADER__STATS_PERIOD=1e-9)
     )
     with caplog.at_level(logging.INFO, logger="pycls_fast.datasets.modes.threaded"):
-        _epoch(loader)
+        one_epoch(loader)
     lines = [r.getMessage() for r in caplog.records if r.name.endswith("threaded")]
     # One line per batch at this period; the first covers the 4 images of batch 1
     # (tasks of later batches may have finished too).
@@ -274,12 +260,12 @@ def test_stage_stats_logged_on_request(data_root, tmp_path, caplog):
         )
     )
     with caplog.at_level(logging.INFO, logger="spdl.pipeline"):
-        _epoch(loader)
+        one_epoch(loader)
     assert "decode_chunk" in caplog.text and "Occupancy rate" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        _epoch(construct_train_loader(_cfg(data_root, tmp_path)))
-        _epoch(
+        one_epoch(construct_train_loader(_cfg(data_root, tmp_path)))
+        one_epoch(
             construct_train_loader(_cfg(data_root, tmp_path, DATA_LOADER__MODE="spdl"))
         )
     assert "threads busy" not in caplog.text  # off by default

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from pycls_fast.components.ema import update_ema
-from pycls_fast.config import load_cfg
 from pycls_fast.engine import trainer
 from pycls_fast.engine.trainer import build_components, train_epoch
-from tests.helpers import DIGITS_CFG, tiny_cfg
+from tests.helpers import digits_cfg, tiny_cfg
 
 PACKAGE = os.path.dirname(sys.modules["pycls_fast"].__file__) + os.sep
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
@@ -80,20 +79,15 @@ class CountPerStep:
 
 
 def _cfg(digits, out_dir, *opts):
-    return load_cfg(
-        DIGITS_CFG,
-        [
-            "DATA.PATH", digits, "OUT_DIR", str(out_dir),
-            "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
-            "VIT.NUM_LAYERS", "2", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
-            "TRAIN.BATCH_SIZE", "64", "OPTIM.MAX_EPOCH", "1",
-            "OPTIM.WARMUP_EPOCHS", "0", "OPTIM.BASE_LR", "0.001",
-            "LOG_PERIOD", "4", "DATA_LOADER.NUM_WORKERS", "2",
-            "OPTIM.GRAD_CLIP", "1.0", "OPTIM.EMA_ALPHA", "1e-4",
-            "OPTIM.EMA_UPDATE_PERIOD", "1", "OPTIM.OPTIMIZER", "adamw",
-            "OPTIM.MTA", "True", "TRAIN.MIXUP_ALPHA", "0.8",
-            *opts,
-        ],
+    return digits_cfg(
+        digits, out_dir,
+        "TRAIN.BATCH_SIZE", "64", "OPTIM.MAX_EPOCH", "1",
+        "OPTIM.WARMUP_EPOCHS", "0", "OPTIM.BASE_LR", "0.001",
+        "LOG_PERIOD", "4", "DATA_LOADER.NUM_WORKERS", "2",
+        "OPTIM.GRAD_CLIP", "1.0", "OPTIM.EMA_ALPHA", "1e-4",
+        "OPTIM.EMA_UPDATE_PERIOD", "1", "OPTIM.OPTIMIZER", "adamw",
+        "OPTIM.MTA", "True", "TRAIN.MIXUP_ALPHA", "0.8",
+        *opts,
     )  # fmt: skip
 
 

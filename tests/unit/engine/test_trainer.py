@@ -10,7 +10,6 @@ import torch
 
 from pycls_fast import checkpoint as ckpt
 from pycls_fast.components.optimizer import lr_at, set_lr
-from pycls_fast.config import load_cfg
 from pycls_fast.datasets.to_device.prefetch import DevicePrefetcher
 from pycls_fast.engine.trainer import (
     NonFiniteLossError,
@@ -21,25 +20,19 @@ from pycls_fast.engine.trainer import (
     train_step,
 )
 from pycls_fast.observe.logging import load_json_stats
-from tests.helpers import DIGITS_CFG, ROOT
+from tests.helpers import ROOT, digits_cfg
 
 TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
 
 
 def _cfg(digits, out_dir, *opts):
-    """The demo config, shrunk: 16 px digits, 4 px patches, 2 blocks of width 32."""
-    return load_cfg(
-        DIGITS_CFG,
-        [
-            "DATA.PATH", digits, "OUT_DIR", str(out_dir),
-            "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
-            "VIT.NUM_LAYERS", "2", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
-            "TRAIN.BATCH_SIZE", "128", "TEST.BATCH_SIZE", "200",
-            "OPTIM.MAX_EPOCH", "3", "OPTIM.WARMUP_EPOCHS", "1",
-            "OPTIM.BASE_LR", "0.005", "TRAIN.CHECKPOINT_PERIOD", "1",
-            "LOG_PERIOD", "5", "DATA_LOADER.NUM_WORKERS", "2",
-            *opts,
-        ],
+    """The shrunk demo config (16 px digits, 2 blocks of width 32), 3 epochs."""
+    return digits_cfg(
+        digits, out_dir,
+        "OPTIM.MAX_EPOCH", "3", "OPTIM.WARMUP_EPOCHS", "1",
+        "OPTIM.BASE_LR", "0.005", "TRAIN.CHECKPOINT_PERIOD", "1",
+        "LOG_PERIOD", "5", "DATA_LOADER.NUM_WORKERS", "2",
+        *opts,
     )  # fmt: skip
 
 

@@ -6,23 +6,16 @@ import os
 
 import pytest
 
-from pycls_fast.config import load_cfg
 from pycls_fast.engine.trainer import train_model
 from pycls_fast.observe.logging import load_json_stats
 from pycls_fast.observe.stats_sinks import CSV_COLUMNS, EPOCH_TYPES
-from tests.helpers import DIGITS_CFG
+from tests.helpers import digits_cfg
 
 
 def _cfg(digits, out_dir, *opts):
-    return load_cfg(
-        DIGITS_CFG,
-        [
-            "DATA.PATH", digits, "OUT_DIR", str(out_dir),
-            "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "VIT.NUM_LAYERS", "1",
-            "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64", "TRAIN.BATCH_SIZE", "128",
-            "TEST.BATCH_SIZE", "200", "OPTIM.MAX_EPOCH", "2", "LOG_PERIOD", "4",
-            "OPTIM.EMA_ALPHA", "1e-4", "DATA_LOADER.NUM_WORKERS", "1", *opts,
-        ],
+    return digits_cfg(
+        digits, out_dir, "VIT.NUM_LAYERS", "1", "OPTIM.MAX_EPOCH", "2",
+        "LOG_PERIOD", "4", "OPTIM.EMA_ALPHA", "1e-4", *opts,
     )  # fmt: skip
 
 

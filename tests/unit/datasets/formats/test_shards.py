@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from pycls_fast.config import get_cfg
 from pycls_fast.datasets.formats.index import load_index
 from pycls_fast.datasets.formats.pack import pack_split, shard_name
 from pycls_fast.datasets.formats.shards import load_shard_index
@@ -17,6 +16,7 @@ from pycls_fast.datasets.formats.synthetic import make_image_folder
 from pycls_fast.datasets.loader import construct_test_loader, construct_train_loader
 from pycls_fast.datasets.modes import sharding
 from pycls_fast.errors import UserError
+from tests.helpers import loader_cfg, one_epoch
 
 NUM_CLASSES, PER_CLASS = 3, 8  # 24 images per split
 SHARD_BYTES = 5000  # a few images per shard
@@ -39,23 +39,8 @@ def packed(folder, tmp_path_factory):
 
 
 def _cfg(root, tmp_path, **over):
-    cfg = get_cfg()
-    cfg.DATA.PATH, cfg.DATA.FORMAT = root, "shards"
-    cfg.DATA.SHUFFLE_BUFFER = 8
-    cfg.OUT_DIR = str(tmp_path / "out")
-    cfg.MODEL.NUM_CLASSES = NUM_CLASSES
-    cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE = 32, 36
-    cfg.TRAIN.BATCH_SIZE, cfg.TEST.BATCH_SIZE = 4, 4
-    cfg.DATA_LOADER.NUM_WORKERS = 2
-    for key, value in over.items():
-        node, name = key.split("__")
-        cfg[node][name] = value
-    return cfg
-
-
-def _epoch(loader, epoch=0):
-    loader.set_epoch(epoch)
-    return [(x.clone(), y.clone()) for x, y in loader]
+    shards = {"DATA__FORMAT": "shards", "DATA__SHUFFLE_BUFFER": 8}
+    return loader_cfg(root, tmp_path, NUM_CLASSES, **{**shards, **over})
 
 
 def test_every_image_packed_once_with_its_bytes_and_label(folder, packed):
@@ -124,7 +109,7 @@ def test_ranks_together_see_one_process_batches(packed, tmp_path):
 
 def test_resume_mid_epoch_is_exact_in_all_modes(packed, tmp_path):
     cfg = _cfg(packed, tmp_path)
-    full = _epoch(construct_train_loader(cfg), 3)
+    full = one_epoch(construct_train_loader(cfg), 3)
     assert len(full) == 6
     for mode in ("threads", "spdl", "processes"):
         cfg.DATA_LOADER.MODE = mode
@@ -138,7 +123,7 @@ def test_resume_mid_epoch_is_exact_in_all_modes(packed, tmp_path):
 
 def test_test_split_covered_once(packed, tmp_path):
     cfg = _cfg(packed, tmp_path)
-    labels = [y for r in (0, 1) for _, y in _epoch(construct_test_loader(cfg, r, 2))]
+    labels = [y for r in (0, 1) for _, y in one_epoch(construct_test_loader(cfg, r, 2))]
     assert sum(len(y) for y in labels) == 24
     assert torch.cat(labels).bincount().tolist() == [PER_CLASS] * NUM_CLASSES
 
@@ -155,7 +140,7 @@ def test_bad_image_in_a_shard_is_skipped_and_named(folder, tmp_path, caplog):
     cfg.MODEL.NUM_CLASSES, cfg.DATA_LOADER.MAX_BAD_FRAC = 2, 0.1
     loader = construct_train_loader(cfg)
     with caplog.at_level(logging.WARNING, logger="pycls_fast.datasets.loader"):
-        batches = _epoch(loader)
+        batches = one_epoch(loader)
     assert [len(y) for _, y in batches] == [16]
     assert loader.stats()["bad_images"] == 1
     assert loader.bad_images[0][0].endswith(".tar:n00000001/zz.jpeg")
