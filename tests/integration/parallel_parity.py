@@ -1,5 +1,6 @@
-"""Shared by the tensor- and pipeline-parallel parity tests: STEPS training steps of
-a layout, its losses and the whole model's weights gathered from every rank.
+"""Shared by the data-, tensor- and pipeline-parallel parity tests: STEPS training
+steps of a layout on one global batch (each data-parallel rank its slice), its losses
+and the whole model's weights gathered from every rank.
 
 fp32 runs are computed in float64: a layout differs from one process only in the
 order of its sums, so in float64 the two agree to within rounding noise many orders
@@ -15,34 +16,32 @@ from pycls_fast.engine.trainer import build_components, seed_everything, train_s
 from pycls_fast.launch import processes as launch
 from pycls_fast.parallel.tensor_parallel import canonical_state_dict, tp_size
 from pycls_fast.runtime import distributed
+from tests.helpers import EXACT, float64_default  # noqa: F401 - EXACT: for the tests
 
 STEPS = 10
-
-# sqrt(float64 eps) ~ 1.5e-8: float64 summation-order noise (n * eps ~ 1e-13 for the
-# reductions of a tiny model, amplified over STEPS steps) stays far below it, and a
-# defect (a wrong shard, a missing all-reduce) moves weights by 1e-3 or more.
-EXACT = {"rtol": torch.finfo(torch.float64).eps ** 0.5, "atol": 1e-12}
 
 
 def train_and_save(cfg):
     """STEPS steps on each data-parallel rank's own fixed batch; every rank writes
     the losses and the weights it holds (pycls's q/k/v order) to a file."""
-    if cfg.AMP.MODE == "fp32":
-        torch.set_default_dtype(torch.float64)  # see EXACT
-    try:
+    if cfg.AMP.MODE != "fp32":
         return _train_and_save(cfg)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    with float64_default():  # see EXACT
+        return _train_and_save(cfg)
 
 
 def _train_and_save(cfg):
     seed_everything(0)
     parts = build_components(cfg, loaders=False)
+    # One global batch; each data-parallel rank trains on its slice of it, so that
+    # any layout sees the batch one process does.
+    inputs, targets = timing.synthetic_batch(parts, cfg.TRAIN.BATCH_SIZE,
+                                             cfg.TRAIN.IM_SIZE)  # fmt: skip
     per_rank = cfg.TRAIN.BATCH_SIZE // parts.layout.dp
-    inputs, targets = timing.synthetic_batch(parts, per_rank, cfg.TRAIN.IM_SIZE)
+    mine = slice(parts.data_rank * per_rank, (parts.data_rank + 1) * per_rank)
+    inputs, targets = inputs[mine], targets[mine]
     if cfg.AMP.MODE == "fp32":
         inputs = inputs.double()
-    inputs = inputs + parts.data_rank  # the data-parallel ranks' batches differ
     losses = []
     for _ in range(STEPS):
         loss, _, _ = train_step(parts, inputs, targets)

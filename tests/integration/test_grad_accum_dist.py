@@ -6,13 +6,15 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from pycls_fast.config import load_cfg
 from pycls_fast.engine import timing
 from pycls_fast.engine.trainer import build_components, seed_everything, train_step
 from pycls_fast.launch import processes as launch
+from pycls_fast.models import build_model
 from pycls_fast.runtime import distributed
-from tests.helpers import TINY
+from tests.helpers import EXACT, TINY, float64_default
 
 
 def _count(counter, fn):
@@ -24,12 +26,18 @@ def _count(counter, fn):
 
 
 def _two_steps(cfg):
-    """Two steps on each rank's synthetic batch; (reductions per step, weights)."""
+    """Two steps on each rank's synthetic batch, in float64 (see EXACT);
+    (reductions per step, the path of the whole model's weights)."""
+    with float64_default():
+        return _two_float64_steps(cfg)
+
+
+def _two_float64_steps(cfg):
     seed_everything(0)
     parts = build_components(cfg, loaders=False)
     per_rank = cfg.TRAIN.BATCH_SIZE // distributed.world_size()
     inputs, targets = timing.synthetic_batch(parts, per_rank, cfg.TRAIN.IM_SIZE)
-    inputs = inputs + distributed.rank()  # the ranks' batches differ
+    inputs = inputs.double() + distributed.rank()  # the ranks' batches differ
     counter = [0]
     if cfg.FSDP.ENABLED:  # FSDP2 reduce-scatters each block's gradients
         dist.reduce_scatter_single = _count(counter, dist.reduce_scatter_single)
@@ -43,11 +51,11 @@ def _two_steps(cfg):
         parts.trained.register_comm_hook(None, hook)
     for _ in range(2):
         train_step(parts, inputs, targets)
-    # Each rank's weights (its shards under FSDP) to a file: a big result would
-    # not fit through the launcher's result queue.
-    path = os.path.join(cfg.OUT_DIR, f"rank{distributed.rank()}.pt")
-    state = {k: distributed.local_tensor(v).detach().clone()
+    # The whole model's weights (every rank's shards gathered under FSDP) to a
+    # file: a big result would not fit through the launcher's result queue.
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
              for k, v in parts.model.state_dict().items()}  # fmt: skip
+    path = os.path.join(cfg.OUT_DIR, f"rank{distributed.rank()}.pt")
     torch.save(state, path)
     return counter[0] / 2, path
 
@@ -72,5 +80,13 @@ def test_accumulated_steps_match_the_whole_batch_with_one_reduction(fsdp, tmp_pa
     whole, state = torch.load(whole), torch.load(state)
     assert whole_syncs > 0
     assert syncs == whole_syncs  # not 4x: no reduction on the inner micro-batches
+    # The whole model on both sides (not one rank's shards), equal as float64 sums
+    # in another order are.
+    shapes = {
+        k: v.shape for k, v in build_model(load_cfg(None, opts)).state_dict().items()
+    }
+    assert {k: v.shape for k, v in state.items()} == shapes
+    assert {k: v.shape for k, v in whole.items()} == shapes
     for key, value in state.items():
-        torch.testing.assert_close(value, whole[key], rtol=1e-4, atol=1e-6)
+        assert value.dtype == torch.float64, key
+        torch.testing.assert_close(value, whole[key], **EXACT)

@@ -8,16 +8,17 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, one_image_pct
 from tests.integration.test_distributed import (
     FP32,
-    FP32_TOL,
+    FP32_R,
     TEST_NET,
     TRAIN_NET,
     _final_test,
     _keep,
     _losses,
     _run,
+    _tolerance,
     _train,
 )
 
@@ -72,10 +73,12 @@ def test_checkpoints_reshard_across_tp_pp_fsdp_and_one_process(digits, tmp_path)
     _keep(pp_dir, last_dir, ["model_epoch_0002_iter_000010.dcp"])
     last = _train(digits, last_dir, *common, "NUM_GPUS", "1")
     assert len(_losses(last)) == 1
+    tol = _tolerance(full, FP32_R)
     for resumed in (one, fsdp, back, pp, last):
         test = _final_test(resumed)
-        assert abs(test["loss"] - target["loss"]) <= FP32_TOL
-        assert test["top1_err"] == pytest.approx(target["top1_err"], abs=0.3)
+        assert abs(test["loss"] - target["loss"]) <= tol
+        # At most one held-out image decided otherwise.
+        assert abs(test["top1_err"] - target["top1_err"]) <= one_image_pct(digits)
     # A TP2 checkpoint consolidates into one file (pycls's q/k/v order) that
     # test_net reads as it reads the sharded directory.
     ckpt = str(full_dir / "checkpoints" / "model_epoch_0002.dcp")
@@ -90,4 +93,4 @@ def test_checkpoints_reshard_across_tp_pp_fsdp_and_one_process(digits, tmp_path)
         assert expected in tested.stdout
     ema = [r for r in full if r["_type"] == "test_ema_epoch"][-1]
     ema_back = [r for r in back if r["_type"] == "test_ema_epoch"][-1]
-    assert abs(ema["loss"] - ema_back["loss"]) <= FP32_TOL
+    assert abs(ema["loss"] - ema_back["loss"]) <= tol

@@ -6,10 +6,19 @@ import torch
 from pycls_fast.engine import timing
 from pycls_fast.engine.trainer import build_components, seed_everything, train_step
 from pycls_fast.errors import ConfigError
-from tests.helpers import tiny_cfg
+from tests.helpers import EXACT, float64_default, tiny_cfg
 
 
 def _steps(*opts, steps=3, soft=False):
+    """`steps` steps on one batch: (losses, last logits, weights). Without AMP in
+    float64, where micro-batches and the whole batch agree to within EXACT."""
+    if "AMP.MODE" in opts:
+        return _run_steps(*opts, steps=steps, soft=soft)
+    with float64_default():
+        return _run_steps(*opts, steps=steps, soft=soft)
+
+
+def _run_steps(*opts, steps, soft):
     # SGD: the update is linear in the gradient, so the weights compare as closely
     # as the gradients (Adam's normalization blows up differences of ~0 gradients).
     cfg = tiny_cfg(
@@ -19,8 +28,11 @@ def _steps(*opts, steps=3, soft=False):
     seed_everything(0)
     parts = build_components(cfg, loaders=False)
     inputs, targets = timing.synthetic_batch(parts, 16, cfg.TRAIN.IM_SIZE)
+    if "AMP.MODE" not in opts:
+        inputs = inputs.double()
     if soft:  # mixup-like soft targets
-        targets = torch.softmax(torch.randn(16, 10, generator=torch.Generator()), 1)
+        g = torch.Generator().manual_seed(2)
+        targets = torch.softmax(torch.randn(16, 10, generator=g), 1)
     losses, logits = [], None
     for _ in range(steps):
         loss, logits, _ = train_step(parts, inputs, targets)
@@ -37,21 +49,31 @@ def test_micro_batches_give_the_whole_batch_step(soft, loss):
             "TRAIN.LOSS", loss, "TRAIN.ACCUM_STEPS", accum, soft=soft
         )
         # The same loss and logits of the batch, the same weights after the steps,
-        # up to the order of floating-point sums.
-        assert losses == pytest.approx(whole, rel=1e-5)
-        torch.testing.assert_close(logits, whole_logits, rtol=1e-4, atol=1e-5)
+        # up to the order of float64 sums.
+        assert logits.dtype == torch.float64
+        torch.testing.assert_close(losses, whole, **EXACT)
+        torch.testing.assert_close(logits, whole_logits, **EXACT)
         for key, value in state.items():
-            torch.testing.assert_close(value, whole_state[key], rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(value, whole_state[key], **EXACT)
 
 
 def test_micro_batches_under_fp16_loss_scaling_match():
-    # fp16 matmuls sum the batch's gradients in another order: fp16 tolerances.
-    whole, _, whole_state = _steps("AMP.MODE", "O1", "AMP.DTYPE", "fp16")
-    losses, _, state = _steps("AMP.MODE", "O1", "AMP.DTYPE", "fp16",
-                              "TRAIN.ACCUM_STEPS", "2")  # fmt: skip
-    assert losses == pytest.approx(whole, rel=1e-3)
-    for key, value in state.items():
-        torch.testing.assert_close(value, whole_state[key], rtol=1e-2, atol=5e-4)
+    # fp16 matmuls sum the batch's gradients in another order: the micro-batches
+    # round elsewhere, but no more than fp16 itself does. Both runs against the exact
+    # (float64) steps: accumulating adds at most the whole batch's own fp16 error
+    # again (|accum - exact| <= |accum - whole| + |whole - exact|, each a rounding of
+    # the same size); a wrong scale or a lost micro-batch is far beyond it.
+    fp16 = ["AMP.MODE", "O1", "AMP.DTYPE", "fp16"]
+    exact_losses, _, exact = _steps()
+    whole, _, whole_state = _steps(*fp16)
+    losses, _, state = _steps(*fp16, "TRAIN.ACCUM_STEPS", "2")
+
+    def error(got, want):
+        return max(float((got[k].double() - v).abs().max()) for k, v in want.items())
+
+    assert error(state, exact) <= 2 * error(whole_state, exact)
+    loss_error = max(abs(a - b) for a, b in zip(whole, exact_losses))
+    assert max(abs(a - b) for a, b in zip(losses, exact_losses)) <= 2 * loss_error
 
 
 def test_accum_steps_must_divide_each_process_batch():
