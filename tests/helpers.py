@@ -237,3 +237,11 @@ def one_image_pct(root: str) -> float:
     """One val image of the folder `root` as a top-1 error (%), plus json_stats'
     rounding (6 significant digits) of the two errors compared."""
     return 100.0 / held_out_images(root) + 2 * 5e-6 * 100.0
+
+
+def sampling_band(n: int, std: float, sigmas: float = 5.0) -> float:
+    """How far the mean of `n` independent draws of standard deviation `std` may
+    stray from its expectation: `sigmas` standard errors (central limit; beyond 5,
+    probability under 6e-7). A frequency p is the mean of draws of std
+    sqrt(p (1 - p))."""
+    return sigmas * std / n**0.5
