@@ -336,8 +336,7 @@ def test_the_launchers_world_size_wins_over_num_gpus(caplog):
 def test_torchrun_trains_a_config_that_says_num_gpus_8(digits, tmp_path):
     # docs/DISTRIBUTED.md's multi-node command (ViT-H-14.yaml says NUM_GPUS 8) at a
     # reduced size: torchrun's 2 processes win over NUM_GPUS, with one log line.
-    cmd = [
-        *TORCHRUN, "--nproc_per_node", "2", TRAIN_NET,
+    args = [
         "--cfg", os.path.join(ROOT, "configs/vit/ViT-H-14.yaml"),
         "FSDP.ENABLED", "True", "OUT_DIR", str(tmp_path),
         "DATA.PATH", digits, "MODEL.NUM_CLASSES", "10",
@@ -347,9 +346,8 @@ def test_torchrun_trains_a_config_that_says_num_gpus_8(digits, tmp_path):
         "OPTIM.MAX_EPOCH", "1", "OPTIM.WARMUP_EPOCHS", "0",
         "DATA_LOADER.NUM_WORKERS", "1", "LOG_PERIOD", "1",
     ]  # fmt: skip
-    result = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT
-    )
+    result = run_tool(TRAIN_NET, *args, timeout=300, env=one_thread_env(),
+                      launcher=[*TORCHRUN, "--nproc_per_node", "2"])  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     line = "NUM_GPUS 8 of the config is replaced by the launcher's world size, 2"
     assert result.stderr.count(line) == 1, result.stderr[-3000:]
