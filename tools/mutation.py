@@ -2,7 +2,7 @@
 of the repository and runs the fast tests that cover the module; a mutant that no
 test notices is a defect the suite would let through (docs/RELIABILITY.md).
 
-    python tools/mutation.py                 # a seeded sample per module (make mutation)
+    python tools/mutation.py                 # a seeded sample (make mutation)
     python tools/mutation.py --all           # every mutant (hours on 2 cores)
     python tools/mutation.py --module ema --list
 
@@ -281,9 +281,11 @@ def _choices(site: Site) -> list[tuple[str, int, str]]:
         new = "or" if isinstance(node.op, ast.And) else "and"
         out.append(("boolop", 0, f"`{_SYMBOL[type(node.op)]}` -> `{new}`"))
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
-        out.append(("unary", 0, "`not` removed" if isinstance(node.op, ast.Not) else "`-` removed"))  # fmt: skip
+        symbol = "not" if isinstance(node.op, ast.Not) else "-"
+        out.append(("unary", 0, f"`{symbol}` removed"))
     elif isinstance(node, ast.Constant) and type(node.value) in (bool, int, float):
-        out.append(("constant", 0, f"`{node.value!r}` -> `{_new_constant(node.value)!r}`"))  # fmt: skip
+        new = _new_constant(node.value)
+        out.append(("constant", 0, f"`{node.value!r}` -> `{new!r}`"))
     if isinstance(node, (ast.If, ast.While, ast.IfExp)):
         out.append(("negate", 0, "condition negated"))
     if isinstance(node, ast.AugAssign) and type(node.op) in _BINOP:
@@ -321,9 +323,7 @@ def _apply(site: Site, op: str, variant: int) -> None:
     if op == "compare":
         i, j = divmod(variant, 2)
         node.ops[i] = _COMPARE[type(node.ops[i])][j]()
-    elif op == "binop":
-        node.op = _BINOP[type(node.op)]()
-    elif op == "augop":
+    elif op in ("binop", "augop"):
         node.op = _BINOP[type(node.op)]()
     elif op == "boolop":
         node.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
@@ -454,8 +454,11 @@ def run_mutants(results: list[ModuleResult], work: str, timeout_factor: float):
             raise RuntimeError(
                 f"the tests of {result.path} fail without a mutant: {failed}"
             )
-        print(f"{result.name}: tests pass in {seconds:.1f} s; "
-              f"{len(result.mutants)} of {result.total} mutants", flush=True)  # fmt: skip
+        print(
+            f"{result.name}: tests pass in {seconds:.1f} s; "
+            f"{len(result.mutants)} of {result.total} mutants",
+            flush=True,
+        )
         path = os.path.join(work, result.path)
         with open(path) as f:
             source = f.read()
@@ -553,8 +556,9 @@ def main():
     parser.add_argument("--all", action="store_true", help="every mutant, no sample")
     parser.add_argument("--seed", type=int, default=0, help="the sample's seed")
     parser.add_argument("--module", help="one target (its name or path)")
-    parser.add_argument("--list", action="store_true",
-                        help="print the chosen mutants and their keys; run nothing")  # fmt: skip
+    parser.add_argument(
+        "--list", action="store_true", help="print the chosen mutants; run nothing"
+    )
     parser.add_argument("--timeout-factor", type=float, default=3.0,
                         help="a mutant times out after this many times the "
                         "tests' own time, plus 30 s")  # fmt: skip

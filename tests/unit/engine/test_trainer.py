@@ -13,7 +13,6 @@ from pycls_fast.checkpoint import sharded
 from pycls_fast.components.optimizer import lr_at, set_lr
 from pycls_fast.config import load_cfg
 from pycls_fast.datasets.to_device.prefetch import DevicePrefetcher
-from pycls_fast.launch.processes import launch
 from pycls_fast.engine.trainer import (
     NonFiniteLossError,
     build_components,
@@ -22,6 +21,7 @@ from pycls_fast.engine.trainer import (
     train_model,
     train_step,
 )
+from pycls_fast.launch.processes import launch
 from pycls_fast.observe.logging import load_json_stats
 from tests.helpers import DIGITS_CFG, ROOT
 
