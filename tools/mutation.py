@@ -2,7 +2,7 @@
 of the repository and runs the fast tests that cover the module; a mutant that no
 test notices is a defect the suite would let through (docs/RELIABILITY.md).
 
-    python tools/mutation.py                 # a seeded sample (make mutation)
+    python tools/mutation.py                 # a seeded sample of 6 per module
     python tools/mutation.py --all           # every mutant (hours on 2 cores)
     python tools/mutation.py --module ema --list
 
@@ -47,24 +47,27 @@ class Target:
 
 UNIT = "tests/unit"
 COMPONENTS = f"{UNIT}/components/test_components.py"
+SCALER = f"{UNIT}/components/test_loss_scaler.py"
 GRAD_ACCUM = f"{UNIT}/engine/test_grad_accum.py"
-TRAIN_LOOP = f"{UNIT}/engine/test_train_loop.py"
+TRAINER = f"{UNIT}/engine/test_trainer.py"
 MANAGER = f"{UNIT}/checkpoint/test_manager.py"
 TP_PLAN = f"{UNIT}/parallel/test_tensor_parallel_plan.py"
+RESUME = f"{TRAINER}::test_resume_with_ema_ends_identical"
+OVERFLOW = f"{COMPONENTS}::test_fp16_overflow_step_is_skipped_without_touching_weights"
+O2 = f"{COMPONENTS}::test_o2_keeps_fp32_master_weights_and_fp32_layer_norm"
 
 TARGETS = (
     Target(
         "precision",
         "pycls_fast/components/precision.py",
         (
+            SCALER,
             f"{COMPONENTS}::test_o3_is_all_half",
             f"{COMPONENTS}::test_mixed_precision_flag_maps_to_o1",
             f"{COMPONENTS}::test_describe_precision",
             f"{COMPONENTS}::test_backend_flags_follow_the_config",
-            f"{COMPONENTS}::test_o2_keeps_fp32_master_weights_and_fp32_layer_norm",
-            f"{COMPONENTS}::test_fp16_overflow_step_is_skipped_without_touching_weights",
-            f"{UNIT}/components/test_loss_scaler.py",
-            f"{GRAD_ACCUM}::test_micro_batches_under_fp16_loss_scaling_match",
+            O2,
+            OVERFLOW,
         ),
     ),
     Target(
@@ -83,7 +86,7 @@ TARGETS = (
         "pycls_fast/components/ema.py",
         (
             f"{COMPONENTS}::test_ema_follows_pycls_rule",
-            f"{TRAIN_LOOP}::test_ema_updates_every_period_with_pycls_alpha",
+            f"{TRAINER}::test_ema_updates_every_period_with_pycls_alpha",
         ),
     ),
     Target(
@@ -93,7 +96,7 @@ TARGETS = (
             f"{MANAGER}::test_epoch_cadence_saves_every_period_and_the_last_epoch",
             f"{MANAGER}::test_iteration_cadence",
             f"{MANAGER}::test_stop_saves_where_training_is",
-            f"{TRAIN_LOOP}::test_resume_with_ema_and_fp16_ends_identical",
+            RESUME,
         ),
     ),
     Target(
@@ -102,30 +105,27 @@ TARGETS = (
         (
             f"{MANAGER}::test_retention_keeps_the_last_k_the_newest_and_the_protected",
             f"{MANAGER}::test_keep_best_points_at_the_lowest_test_error",
-            f"{TRAIN_LOOP}::test_resume_with_ema_and_fp16_ends_identical",
+            RESUME,
         ),
     ),
     Target(
         "checkpoint sharded",
         "pycls_fast/checkpoint/sharded.py",
-        (f"{TRAIN_LOOP}::test_sharded_resume_with_ema_ends_identical",),
+        (f"{RESUME}[fsdp]",),
     ),
     Target(
         "data parallel",
         "pycls_fast/parallel/data_parallel.py",
-        (
-            f"{COMPONENTS}::test_o2_keeps_fp32_master_weights_and_fp32_layer_norm",
-            f"{TRAIN_LOOP}::test_sharded_resume_with_ema_ends_identical",
-        ),
+        (O2, f"{RESUME}[fsdp]"),
     ),
     Target(
         "trainer step",
         "pycls_fast/engine/trainer.py",
         (
             f"{GRAD_ACCUM}::test_an_uneven_batch_weighs_each_image_alike",
-            f"{COMPONENTS}::test_fp16_overflow_step_is_skipped_without_touching_weights",
-            f"{COMPONENTS}::test_o2_keeps_fp32_master_weights_and_fp32_layer_norm",
-            f"{GRAD_ACCUM}::test_micro_batches_give_the_whole_batch_step",
+            OVERFLOW,
+            O2,
+            f"{GRAD_ACCUM}::test_micro_batches_give_the_whole_batch_step[ce-True]",
         ),
         only=("train_step", "forward_backward", "mean_logits", "_gradient_sync"),
     ),
@@ -551,8 +551,8 @@ def select(args) -> list[ModuleResult]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--per-module", type=int, default=12,
-                        help="mutants sampled per module (default 12)")  # fmt: skip
+    parser.add_argument("--per-module", type=int, default=6,
+                        help="mutants sampled per module (default 6)")  # fmt: skip
     parser.add_argument("--all", action="store_true", help="every mutant, no sample")
     parser.add_argument("--seed", type=int, default=0, help="the sample's seed")
     parser.add_argument("--module", help="one target (its name or path)")
