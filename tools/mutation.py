@@ -123,8 +123,10 @@ TARGETS = (
         "pycls_fast/engine/trainer.py",
         (
             f"{GRAD_ACCUM}::test_an_uneven_batch_weighs_each_image_alike",
+            f"{TRAINER}::test_a_step_weighted_zero_leaves_the_weights",
             OVERFLOW,
             O2,
+            f"{UNIT}/engine/test_distill.py::test_a_step_with_a_teacher_trains_both_heads",
             f"{GRAD_ACCUM}::test_micro_batches_give_the_whole_batch_step[ce-True]",
         ),
         only=("train_step", "forward_backward", "mean_logits", "_gradient_sync"),

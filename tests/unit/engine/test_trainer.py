@@ -23,7 +23,7 @@ from pycls_fast.engine.trainer import (
 )
 from pycls_fast.launch.processes import launch
 from pycls_fast.observe.logging import load_json_stats
-from tests.helpers import DIGITS_CFG, ROOT
+from tests.helpers import DIGITS_CFG, ROOT, tiny_cfg
 
 TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
 
@@ -336,3 +336,26 @@ def _final_state(out_dir, suffix):
         **{f"ema.{k}": v for k, v in state["ema_state"].items()},
         **{f"scaler.{k}": v for k, v in scaler.items()},
     }
+
+
+@pytest.mark.parametrize("accum", ["1", "2"])
+def test_a_step_weighted_zero_leaves_the_weights(accum):
+    """A rank without images joins the others' step with a blank batch weighted 0
+    (_step_without_images): its gradients are zeros, so with plain SGD (no momentum,
+    no weight decay) not one weight moves, while an unweighted step moves them."""
+    cfg = tiny_cfg(
+        "TRAIN.BATCH_SIZE", "4", "TRAIN.ACCUM_STEPS", accum, "OPTIM.OPTIMIZER", "sgd",
+        "OPTIM.MOMENTUM", "0.0", "OPTIM.NESTEROV", "False", "OPTIM.WEIGHT_DECAY", "0.0",
+        "OPTIM.BASE_LR", "0.1",
+    )  # fmt: skip
+    parts = build_components(cfg, loaders=False)
+    before = {k: v.clone() for k, v in parts.model.state_dict().items()}
+    images, labels = torch.randn(4, 3, 32, 32), torch.arange(4)
+    loss, _, _ = train_step(parts, images, labels, weight=0.0)
+    assert loss.item() > 0  # the loss is reported unweighted
+    for k, v in parts.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    train_step(parts, images, labels)
+    assert not torch.equal(
+        parts.model.head.head_fc.weight, before["head.head_fc.weight"]
+    )
