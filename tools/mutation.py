@@ -144,7 +144,11 @@ TARGETS = (
 
 # Mutants judged equivalent (no behaviour changes), by key (see Mutant.key), with
 # the reason; they count apart from the survivors in the report.
-EQUIVALENT: dict[str, str] = {}
+EQUIVALENT: dict[str, str] = {
+    "pycls_fast/components/ema.py:ema_enabled:compare1:"
+    "cfg.OPTIM.EMA_UPDATE_PERIOD > 0": "config.py accepts only EMA_UPDATE_PERIOD > 0 "
+    "(gt=0), so `>= 0` holds exactly when `> 0` does",
+}
 
 # Calls whose statements are not dropped and whose arguments are not mutated: logs
 # and messages (a wrong log line is not what these tests are for).
@@ -566,9 +570,21 @@ def main():
                         "tests' own time, plus 30 s")  # fmt: skip
     parser.add_argument("--out", default=os.path.join(ROOT, "out", "mutation"),
                         help="folder for results.json and report.md")  # fmt: skip
+    parser.add_argument(
+        "--report-from", metavar="RESULTS_JSON",
+        help="write the report of an earlier run again (after judging mutants "
+        "equivalent in EQUIVALENT); runs nothing",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.per_module < 1:
         parser.error("--per-module must be at least 1")
+    if args.report_from:
+        with open(args.report_from) as f:
+            meta = json.load(f)
+        args.seed, args.per_module = meta["seed"], meta["per_module"]
+        args.all = args.per_module is None
+        _write(_load_results(meta), args)
+        return 0
     results = select(args)
     if not results:
         parser.error(f"--module {args.module}: no such target; one of "
@@ -584,6 +600,25 @@ def main():
         run_mutants(results, work, args.timeout_factor)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    _write(results, args)
+    return 0
+
+
+def _load_results(data: dict) -> list[ModuleResult]:
+    """The modules of a results.json's `data`, their mutants judged again against
+    EQUIVALENT (after a judgement was added)."""
+    results = []
+    for mod in data["modules"]:
+        mutants = [Mutant(**m) for m in mod["mutant_list"]]
+        for m in mutants:
+            m.equivalent = EQUIVALENT.get(m.key, "")
+        name = next((t.name for t in TARGETS if t.path == mod["module"]), "")
+        results.append(ModuleResult(name, mod["module"], mod["of"], mod["tests"],
+                                    mod["baseline_s"], mutants))  # fmt: skip
+    return results
+
+
+def _write(results: list[ModuleResult], args) -> None:
     os.makedirs(args.out, exist_ok=True)
     data = {
         "seed": args.seed,
@@ -601,7 +636,6 @@ def main():
         f.write(report)
     print(report)
     print(f"wrote {args.out}/results.json and report.md")
-    return 0
 
 
 if __name__ == "__main__":
