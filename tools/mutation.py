@@ -96,6 +96,8 @@ TARGETS = (
             f"{MANAGER}::test_epoch_cadence_saves_every_period_and_the_last_epoch",
             f"{MANAGER}::test_iteration_cadence",
             f"{MANAGER}::test_stop_saves_where_training_is",
+            f"{MANAGER}::test_keep_best_points_at_the_lowest_test_error",
+            f"{MANAGER}::test_a_save_keeps_the_best_unless_it_writes_over_it",
             RESUME,
         ),
     ),
@@ -448,12 +450,18 @@ def _minutes(seconds: float) -> str:
     return f"{m}m{s:02d}s"
 
 
-def run_mutants(results: list[ModuleResult], work: str, timeout_factor: float):
-    """Runs every module's baseline, then its mutants; prints progress and an ETA
-    (from the mean time per mutant so far)."""
-    total = sum(len(r.mutants) for r in results)
+def run_mutants(
+    results: list[ModuleResult], work: str, timeout_factor: float, pending=None
+):
+    """Runs every module's baseline, then its mutants (those `pending(mutant)`
+    accepts, default all); prints progress and an ETA (from the mean time per
+    mutant so far)."""
+    pending = pending or (lambda m: True)
+    total = sum(pending(m) for r in results for m in r.mutants)
     done, start = 0, time.perf_counter()
     for result in results:
+        if not any(pending(m) for m in result.mutants):
+            continue
         status, seconds, failed = _pytest(work, result.tests, timeout=1800)
         result.baseline_s = seconds
         if status != "passed":
@@ -470,7 +478,7 @@ def run_mutants(results: list[ModuleResult], work: str, timeout_factor: float):
             source = f.read()
         timeout = timeout_factor * seconds + 30
         try:
-            for m in result.mutants:
+            for m in filter(pending, result.mutants):
                 with open(path, "w") as f:
                     f.write(mutated_source(source, m))
                 status, m.seconds, m.failed = _pytest(work, result.tests, timeout)
@@ -575,15 +583,29 @@ def main():
         help="write the report of an earlier run again (after judging mutants "
         "equivalent in EQUIVALENT); runs nothing",
     )  # fmt: skip
+    parser.add_argument(
+        "--rerun-survivors", metavar="RESULTS_JSON",
+        help="run the survivors of an earlier run again against the tests as they "
+        "are now (after adding tests), and write the report",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.per_module < 1:
         parser.error("--per-module must be at least 1")
-    if args.report_from:
-        with open(args.report_from) as f:
+    earlier = args.report_from or args.rerun_survivors
+    if earlier:
+        with open(earlier) as f:
             meta = json.load(f)
         args.seed, args.per_module = meta["seed"], meta["per_module"]
         args.all = args.per_module is None
-        _write(_load_results(meta), args)
+        results = _load_results(meta)
+        if args.rerun_survivors:
+            work = _copy_repository()
+            try:
+                _check_copy_is_imported(work)
+                run_mutants(results, work, args.timeout_factor, _survivor)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        _write(results, args)
         return 0
     results = select(args)
     if not results:
@@ -604,6 +626,10 @@ def main():
     return 0
 
 
+def _survivor(m: Mutant) -> bool:
+    return m.status == "survived" and not m.equivalent
+
+
 def _load_results(data: dict) -> list[ModuleResult]:
     """The modules of a results.json's `data`, their mutants judged again against
     EQUIVALENT (after a judgement was added)."""
@@ -613,7 +639,10 @@ def _load_results(data: dict) -> list[ModuleResult]:
         for m in mutants:
             m.equivalent = EQUIVALENT.get(m.key, "")
         name = next((t.name for t in TARGETS if t.path == mod["module"]), "")
-        results.append(ModuleResult(name, mod["module"], mod["of"], mod["tests"],
+        # The module's tests as they are now (a rerun uses the tests added since).
+        tests = next((list(t.tests) for t in TARGETS if t.path == mod["module"]),
+                     mod["tests"])  # fmt: skip
+        results.append(ModuleResult(name, mod["module"], mod["of"], tests,
                                     mod["baseline_s"], mutants))  # fmt: skip
     return results
 

@@ -291,8 +291,9 @@ def test_ema_updates_every_period_with_pycls_alpha(digits, tmp_path):
 @pytest.mark.parametrize(
     "opts",
     [
-        # fp16 loss scaling with the loop optimizer (OPTIM.MTA's default False).
-        ["AMP.MODE", "O1", "AMP.DTYPE", "fp16", "TRAIN.MIXED_PRECISION", "True"],
+        # fp16 loss scaling with the loop optimizer (OPTIM.MTA's default False),
+        # O2: the fp32 master weights are restored too.
+        ["AMP.MODE", "O2", "AMP.DTYPE", "fp16", "TRAIN.MIXED_PRECISION", "True"],
         # FSDP in one process: sharded (DCP) checkpoints, the EMA sharded alike.
         ["AMP.MODE", "fp32", "TRAIN.MIXED_PRECISION", "False", "FSDP.ENABLED", "True"],
     ],
@@ -300,9 +301,12 @@ def test_ema_updates_every_period_with_pycls_alpha(digits, tmp_path):
 )
 def test_resume_with_ema_ends_identical(digits, tmp_path, opts):
     """Killed after the checkpoint 2 iterations into epoch 2, resumed: the same
-    weights, EMA and loss scale as without the interruption."""
+    weights, EMA and loss scale as without the interruption, and the same epoch
+    record (the meter's sums are restored). Drop path and mixup draw from the
+    restored RNG streams."""
     full, crashed = tmp_path / "full", tmp_path / "crashed"
-    opts = ["TRAIN.CHECKPOINT_ITER_PERIOD", "2", *opts]
+    opts = ["TRAIN.CHECKPOINT_ITER_PERIOD", "2", "VIT.DROP_PATH", "0.1",
+            "TRAIN.MIXUP_ALPHA", "0.2", *opts]  # fmt: skip
     launch(train_model, _short(digits, full, *opts))
     shutil.copytree(full, crashed)
     paths = ckpt.list_checkpoints(str(crashed))  # oldest first
@@ -317,11 +321,17 @@ def test_resume_with_ema_ends_identical(digits, tmp_path, opts):
     assert set(a) == set(b) and any(k.startswith("ema.") for k in a)
     for key, value in a.items():
         assert torch.equal(value, b[key]), key
+    full_epoch, resumed_epoch = (
+        [r for r in load_json_stats(str(d / "stdout.log"))
+         if r["_type"] == "train_epoch"][-1]
+        for d in (full, crashed)
+    )  # fmt: skip
+    assert resumed_epoch["loss"] == full_epoch["loss"]
 
 
 def _final_state(out_dir, suffix):
-    """The last checkpoint's weights and EMA ('model.*', 'ema.*') and, for a file,
-    its loss scaler ('scaler.*')."""
+    """The last checkpoint's weights and EMA ('model.*', 'ema.*') and, for a file
+    (O2), its loss scaler and master weights ('scaler.*', 'master.*')."""
     path = out_dir / "checkpoints" / f"model_epoch_0002{suffix}"
     if suffix == ".dcp":
         return {
@@ -335,6 +345,7 @@ def _final_state(out_dir, suffix):
         **{f"model.{k}": v for k, v in state["model_state"].items()},
         **{f"ema.{k}": v for k, v in state["ema_state"].items()},
         **{f"scaler.{k}": v for k, v in scaler.items()},
+        **{f"master.{i}": v for i, v in enumerate(state["master_state"]["master"])},
     }
 
 
