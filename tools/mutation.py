@@ -150,6 +150,16 @@ EQUIVALENT: dict[str, str] = {
     "pycls_fast/components/ema.py:ema_enabled:compare1:"
     "cfg.OPTIM.EMA_UPDATE_PERIOD > 0": "config.py accepts only EMA_UPDATE_PERIOD > 0 "
     "(gt=0), so `>= 0` holds exactly when `> 0` does",
+    "pycls_fast/engine/trainer.py:forward_backward:negate0:if len(chunks) > 1:": (
+        "the reduction is then on for every micro-batch instead of the last only: "
+        "the sum of the reduced gradients is the reduced sum (more communication, "
+        "the same step up to rounding)"
+    ),
+    "pycls_fast/checkpoint/sharded.py:load:negate0:if 'ema' in whole:": (
+        "dcp.load fills the EMA's own parameter tensors in place "
+        "(get_model_state_dict returns them, not copies): setting them again "
+        "changes nothing"
+    ),
 }
 
 # Calls whose statements are not dropped and whose arguments are not mutated: logs
