@@ -155,6 +155,11 @@ EQUIVALENT: dict[str, str] = {
         "the sum of the reduced gradients is the reduced sum (more communication, "
         "the same step up to rounding)"
     ),
+    "pycls_fast/engine/trainer.py:train_step:constant0:True": (
+        "zero_grad(set_to_none=False) zeroes the grads in place of dropping them: "
+        "every trained parameter gets a new gradient in every step, so the "
+        "optimizer sees the same values (only memory differs)"
+    ),
     "pycls_fast/checkpoint/sharded.py:load:negate0:if 'ema' in whole:": (
         "dcp.load fills the EMA's own parameter tensors in place "
         "(get_model_state_dict returns them, not copies): setting them again "
