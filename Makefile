@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 	distill-demo \
 	check-node bench bench-dist bench-attention \
 	bench-loader bench-index bench-shards bench-loader-scaling \
-	bench-optimizer bench-progressive bench-infer clean
+	bench-optimizer bench-progressive bench-infer mutation clean
 
 setup: $(STAMP)
 
@@ -76,6 +76,13 @@ sweep-demo: setup
 	$(PY) tools/sweep_launch.py --sweep-cfg $(SWEEP_CFG)
 	$(PY) tools/sweep_collect.py --sweep-cfg $(SWEEP_CFG)
 	$(PY) tools/sweep_analyze.py --sweep-cfg $(SWEEP_CFG)
+
+# Mutation testing of the core modules (docs/RELIABILITY.md): a seeded sample of
+# MUTANTS mutants per module, each run against the module's fast tests; prints
+# progress and an ETA, writes out/mutation/. Not part of `make test`.
+MUTANTS ?= 6
+mutation: setup
+	$(PY) tools/mutation.py --per-module $(MUTANTS)
 
 # Scenario tests marked slow (also part of `make test`), alone.
 test-slow: setup

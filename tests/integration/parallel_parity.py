@@ -14,6 +14,7 @@ from pycls_fast.config import load_cfg
 from pycls_fast.engine import timing
 from pycls_fast.engine.trainer import build_components, seed_everything, train_step
 from pycls_fast.launch import processes as launch
+from pycls_fast.models import build_model
 from pycls_fast.parallel.tensor_parallel import canonical_state_dict, tp_size
 from pycls_fast.runtime import distributed
 from tests.helpers import EXACT, float64_default  # noqa: F401 - EXACT: for the tests
@@ -64,3 +65,18 @@ def run_layout(tmp_path, name, opts):
     for path in ranks:
         state.update(torch.load(path)["state"])
     return {"losses": first["losses"], "state": state}
+
+
+def pretrained_like(tmp_path, opts):
+    """["TRAIN.WEIGHTS", file]: the model of `opts` with every parameter moved off its
+    initialization by seeded noise (std 0.02), as in pretrained weights: biases
+    (zero at init, the q/k/v bias included) and LayerNorm weights are no longer
+    uniform, so a layout that puts one in the wrong place computes another model."""
+    model = build_model(load_cfg(None, opts))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    path = tmp_path / "pretrained_like.pyth"
+    torch.save({"model_state": model.state_dict()}, path)
+    return ["TRAIN.WEIGHTS", str(path)]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY
-from tests.integration.parallel_parity import EXACT, run_layout
+from tests.integration.parallel_parity import EXACT, pretrained_like, run_layout
 
 # SGD for the weight comparisons: Adam divides each gradient by its own size, so a
 # gradient that is rounding noise (attn_proj's k bias: softmax ignores it) moves its
@@ -33,10 +33,11 @@ ADAMW = ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "1e-3"]
     ids=["tp", "tp-sp", "tp-sp-batch-first", "tp-class-token"],
 )
 def test_tp2_trains_as_one_process_fp32(extra, tmp_path):
-    one = run_layout(tmp_path, "one", [*BASE, *extra])
-    tp = run_layout(
-        tmp_path, "tp", [*BASE, *extra, "NUM_GPUS", "2", "PARALLEL.TP", "2"]
-    )
+    # From pretrained-like weights: at init the biases are zero, and a q/k/v bias
+    # left in pycls's row order would go unnoticed.
+    opts = [*BASE, *extra, *pretrained_like(tmp_path, [*BASE, *extra])]
+    one = run_layout(tmp_path, "one", opts)
+    tp = run_layout(tmp_path, "tp", [*opts, "NUM_GPUS", "2", "PARALLEL.TP", "2"])
     torch.testing.assert_close(tp["losses"], one["losses"], **EXACT)
     assert one["losses"][-1] < one["losses"][0]
     for key, value in one["state"].items():

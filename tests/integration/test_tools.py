@@ -1,8 +1,12 @@
 """Command-line tools: their contracts (output, exit codes, one-line errors)."""
 
+import ast
+import importlib.util
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,6 +36,7 @@ EXAMPLE = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
         "gen_config_doc.py",
         "avg_checkpoints.py",
         "export.py",
+        "mutation.py",
     ],
 )
 def test_help_lists_the_documented_options(name):
@@ -312,3 +317,44 @@ def test_plan_net_prints_each_layout_and_the_choice():
     bad = run_tool("plan_net.py", "--cfg", "configs/vit/ViT-22B-14.yaml", "--gpus", "x")
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: --gpus: comma-separated integers, got x"
+
+
+def _mutation_tool():
+    spec = importlib.util.spec_from_file_location(
+        "mutation_tool", os.path.join(ROOT, "tools", "mutation.py")
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_mutation_tool_plants_one_change_per_mutant():
+    tool = _mutation_tool()
+    target = next(t for t in tool.TARGETS if t.name == "ema")
+    with open(os.path.join(ROOT, target.path)) as f:
+        source = f.read()
+    mutants = tool.enumerate_mutants(target, source)
+    assert len({m.key for m in mutants}) == len(mutants)
+    original = ast.unparse(ast.parse(source)).splitlines()
+    for m in mutants:
+        planted = tool.mutated_source(source, m).splitlines()
+        compile("\n".join(planted), target.path, "exec")
+        changed = [a for a, b in zip(original, planted) if a != b]
+        assert len(planted) == len(original) and len(changed) == 1, m.what
+    planted = {m.what: tool.mutated_source(source, m) for m in mutants}
+    assert "epoch >= cfg.OPTIM.WARMUP_EPOCHS" in planted["`<` -> `>=`"]
+
+
+def test_mutation_targets_name_tests_that_exist_and_equivalents_that_exist():
+    tool = _mutation_tool()
+    nodes = sorted({t for target in tool.TARGETS for t in target.tests})
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", *nodes],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:]
+    keys = set()
+    for target in tool.TARGETS:
+        with open(os.path.join(ROOT, target.path)) as f:
+            keys |= {m.key for m in tool.enumerate_mutants(target, f.read())}
+    assert set(tool.EQUIVALENT) <= keys, set(tool.EQUIVALENT) - keys

@@ -19,10 +19,10 @@ from pycls_fast.checkpoint.cadence import (
 from pycls_fast.checkpoint.state import rng_state, set_rng_state
 from pycls_fast.config import load_cfg
 from pycls_fast.datasets.to_device.transform import DeviceBatchTransform
-from pycls_fast.engine.trainer import train_model
+from pycls_fast.engine.trainer import build_components, train_model
 from pycls_fast.launch.processes import launch
 from pycls_fast.observe.logging import load_json_stats
-from tests.helpers import digits_cfg
+from tests.helpers import digits_cfg, tiny_cfg
 
 
 def test_epoch_cadence_saves_every_period_and_the_last_epoch():
@@ -191,3 +191,25 @@ def test_device_batch_transform_state_round_trips():
     other.load_state_dict(state)
     second = (other.rng.random(), torch.rand(2, generator=other.generator))
     assert first[0] == second[0] and torch.equal(first[1], second[1])
+
+
+def test_a_save_keeps_the_best_unless_it_writes_over_it(tmp_path):
+    cfg = tiny_cfg(
+        "OUT_DIR", str(tmp_path), "TRAIN.CHECKPOINT_KEEP", "1",
+        "TRAIN.CHECKPOINT_KEEP_BEST", "True",
+    )  # fmt: skip
+    manager = CheckpointManager(build_components(cfg, loaders=False))
+    manager.save(1, 0)
+    manager.after_eval(0, 30.0)
+    assert retention.read_best(str(tmp_path))["checkpoint"] == "model_epoch_0001.pyth"
+    # A later checkpoint: the best stays, and retention (keep 1) spares it.
+    manager.save(1, 5)
+    assert retention.read_best(str(tmp_path))["checkpoint"] == "model_epoch_0001.pyth"
+    assert _names(tmp_path) == [
+        "model_epoch_0001.pyth",
+        "model_epoch_0002_iter_000005.pyth",
+    ]
+    # Its own name written again (other weights): no longer known to be the best.
+    manager.save(1, 0)
+    assert retention.read_best(str(tmp_path)) is None
+    assert _names(tmp_path) == ["model_epoch_0002_iter_000005.pyth"]

@@ -69,12 +69,17 @@ def test_o3_is_all_half():
     assert parts.master is None
 
 
-def test_fp16_overflow_step_is_skipped_without_touching_weights():
+# MTA True: the fused kernel skips on the device flag; False (the default): the
+# loop optimizer, which the scaler skips after reading the flag.
+@pytest.mark.parametrize("mta", ["True", "False"], ids=["fused", "loop"])
+def test_fp16_overflow_step_is_skipped_without_touching_weights(mta):
     cfg = tiny_cfg(
-        "AMP.MODE", "O1", "AMP.DTYPE", "fp16", "OPTIM.MTA", "True",
+        "AMP.MODE", "O1", "AMP.DTYPE", "fp16", "OPTIM.MTA", mta,
         "OPTIM.OPTIMIZER", "adamw",
     )  # fmt: skip
     parts = build_components(cfg, loaders=False)
+    fused = getattr(parts.optimizer, "_step_supports_amp_scaling", False)
+    assert fused == (mta == "True")
     images, labels = _batch()
     train_step(parts, images, labels)  # a normal step first: optimizer state exists
     before = {k: v.clone() for k, v in parts.trained.state_dict().items()}

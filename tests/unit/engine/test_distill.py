@@ -124,8 +124,14 @@ def test_a_step_with_a_teacher_trains_both_heads(tmp_path):
     teacher_before = {
         n: p.clone() for n, p in parts.distiller.teacher.state_dict().items()
     }
+    with torch.no_grad():  # the two heads before the step (no dropout, no drop path)
+        for head in (parts.model.head, parts.model.head_dist):  # zero at init
+            torch.nn.init.normal_(head.head_fc.weight, std=0.1)
+        cls_logits, dist_logits = parts.model.train()(inputs)
     loss, logits, _ = train_step(parts, inputs, targets)
     assert torch.isfinite(loss) and logits.shape == (8, 10)
+    # The step's logits (for the train error) are the mean of the two heads'.
+    torch.testing.assert_close(logits, (cls_logits + dist_logits) / 2)
     for name in ("head.head_fc.weight", "head_dist.head_fc.weight", "dist_token"):
         assert not torch.equal(parts.model.state_dict()[name], before[name]), name
     for n, t in parts.distiller.teacher.state_dict().items():

@@ -76,6 +76,41 @@ def test_micro_batches_under_fp16_loss_scaling_match():
     assert max(abs(a - b) for a, b in zip(losses, exact_losses)) <= 2 * loss_error
 
 
+def _float64_steps(n, accum):
+    """3 SGD steps on a batch of `n` images in `accum` micro-batches, in float64:
+    (losses, weights)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        cfg = tiny_cfg(
+            "TRAIN.BATCH_SIZE", "16", "TRAIN.ACCUM_STEPS", str(accum),
+            "OPTIM.OPTIMIZER", "sgd", "OPTIM.BASE_LR", "0.5", "OPTIM.MOMENTUM", "0.9",
+        )  # fmt: skip
+        seed_everything(0)
+        parts = build_components(cfg, loaders=False)
+        inputs, targets = timing.synthetic_batch(parts, n, cfg.TRAIN.IM_SIZE)
+        losses = [
+            train_step(parts, inputs.double(), targets)[0].item() for _ in range(3)
+        ]
+        return losses, parts.model.state_dict()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_an_uneven_batch_weighs_each_image_alike():
+    """13 images (a batch of 16 that lost 3 bad images) in micro-batches of 4, 4, 4
+    and 1: each image's loss weighs 1/13, as in one step of the whole batch. In
+    float64 the two differ only in the order of sums (~1e-16 relative per sum,
+    far below sqrt(eps) ~ 1.5e-8); weighting the micro-batches alike moves the
+    single image's weight from 1/13 to 1/4."""
+    whole, whole_state = _float64_steps(13, 1)
+    losses, state = _float64_steps(13, 4)
+    exact = {"rtol": torch.finfo(torch.float64).eps ** 0.5, "atol": 1e-12}
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(whole), **exact)
+    for key, value in state.items():
+        assert value.dtype == torch.float64
+        torch.testing.assert_close(value, whole_state[key], **exact)
+
+
 def test_accum_steps_must_divide_each_process_batch():
     with pytest.raises(ConfigError, match="TRAIN.ACCUM_STEPS \\(3\\) must divide"):
         tiny_cfg("TRAIN.BATCH_SIZE", "16", "TRAIN.ACCUM_STEPS", "3")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pycls_fast import checkpoint as ckpt
+from pycls_fast.checkpoint import sharded
 from pycls_fast.components.optimizer import lr_at, set_lr
 from pycls_fast.datasets.to_device.prefetch import DevicePrefetcher
 from pycls_fast.engine.trainer import (
@@ -19,8 +20,9 @@ from pycls_fast.engine.trainer import (
     train_model,
     train_step,
 )
+from pycls_fast.launch.processes import launch
 from pycls_fast.observe.logging import load_json_stats
-from tests.helpers import ROOT, digits_cfg
+from tests.helpers import ROOT, digits_cfg, tiny_cfg
 
 TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
 
@@ -87,6 +89,11 @@ DEIT_DATA = ["DATA.TRAIN_CROP", "simple_random", "TRAIN.THREE_AUGMENT", "True",
              "TRAIN.REPEATED_AUG", "3"]  # fmt: skip
 
 
+# An EMA updated every 3 iterations; after the 1 warmup epoch (which copies the
+# weights), alpha = 1e-3 * BATCH_SIZE / MAX_EPOCH * 3 of pycls's rule.
+EMA = ["OPTIM.EMA_ALPHA", "1e-3", "OPTIM.EMA_UPDATE_PERIOD", "3"]
+
+
 @pytest.mark.parametrize("mode", ["fp32", "O1", "deit"])
 def test_resume_mid_epoch_ends_with_identical_weights(digits, tmp_path, mode):
     extra = DEIT_DATA if mode == "deit" else []
@@ -94,7 +101,7 @@ def test_resume_mid_epoch_ends_with_identical_weights(digits, tmp_path, mode):
     opts = ["AMP.MODE", mode, "TRAIN.MIXED_PRECISION", str(mode == "O1"),
             "TRAIN.CHECKPOINT_ITER_PERIOD", "4", "TRAIN.MIXUP_ALPHA",
             "0.2", "TRAIN.LABEL_SMOOTHING", "0.1", "VIT.DROP_PATH", "0.1",
-            *extra]  # fmt: skip
+            *EMA, *extra]  # fmt: skip
     full = tmp_path / "full"
     train_model(_cfg(digits, full, *opts))
     # A crash right after the checkpoint 4 iterations into epoch 2: later files gone.
@@ -116,8 +123,9 @@ def test_resume_mid_epoch_ends_with_identical_weights(digits, tmp_path, mode):
     train_model(_cfg(digits, crashed, *opts))
     a = torch.load(full / "checkpoints/model_epoch_0003.pyth", weights_only=False)
     b = torch.load(crashed / "checkpoints/model_epoch_0003.pyth", weights_only=False)
-    for key in a["model_state"]:
-        assert torch.equal(a["model_state"][key], b["model_state"][key]), key
+    for part in ("model_state", "ema_state"):
+        for key in a[part]:
+            assert torch.equal(a[part][key], b[part][key]), (part, key)
     assert "resumed from" in (crashed / "stdout.log").read_text()
     # The resumed epoch reports the whole epoch, as the uninterrupted run did (the
     # crashed log holds the full run's records first, the resumed ones last).
@@ -239,3 +247,119 @@ def test_o2_ema_follows_the_fp32_master_weights(digits, tmp_path):
     master = parts.master.master_for(weight)
     assert not torch.equal(master, weight.float())  # the masters' low bits differ
     assert torch.equal(parts.ema.head.head_fc.weight, master)
+
+
+def _short(digits, out_dir, *opts):
+    """2 epochs of 5 iterations of 256 images, one block, an EMA every 2 iterations
+    (alpha 1e-3 * 256 / 2 * 2 = 0.256 after the warmup epoch), evaluated once."""
+    return _cfg(
+        digits, out_dir, "OPTIM.MAX_EPOCH", "2", "TRAIN.BATCH_SIZE", "256",
+        "VIT.NUM_LAYERS", "1", "TRAIN.EVAL_PERIOD", "2", "TEST.BATCH_SIZE", "400",
+        "OPTIM.EMA_ALPHA", "1e-3", "OPTIM.EMA_UPDATE_PERIOD", "2", *opts,
+    )  # fmt: skip
+
+
+def test_ema_updates_every_period_with_pycls_alpha(digits, tmp_path):
+    cfg = _short(digits, tmp_path)
+    seed_everything(0)
+    parts = build_components(cfg, loaders=("train",))
+    ema = {k: v.clone() for k, v in parts.ema.state_dict().items()}
+    updates = []
+
+    def replay(epoch, done, iters):
+        # What the EMA must hold: a step of 0.256 towards the weights after
+        # iterations 2, 4, ... of the epoch, and nothing in between.
+        if done % 2 == 0:
+            updates.append(done)
+            for k, v in parts.model.state_dict().items():
+                ema[k] = torch.lerp(ema[k], v.float(), 0.256)
+
+    train_epoch(parts, 1, on_iter_end=replay)  # epoch 2: after the warmup
+    assert updates == [2, 4]
+    for k, v in parts.ema.state_dict().items():
+        # One lerp per update both ways: the same float32 operations.
+        torch.testing.assert_close(v, ema[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        # fp16 loss scaling with the loop optimizer (OPTIM.MTA's default False),
+        # O2: the fp32 master weights are restored too.
+        ["AMP.MODE", "O2", "AMP.DTYPE", "fp16", "TRAIN.MIXED_PRECISION", "True"],
+        # FSDP in one process: sharded (DCP) checkpoints, the EMA sharded alike.
+        ["AMP.MODE", "fp32", "TRAIN.MIXED_PRECISION", "False", "FSDP.ENABLED", "True"],
+    ],
+    ids=["fp16", "fsdp"],
+)
+def test_resume_with_ema_ends_identical(digits, tmp_path, opts):
+    """Killed after the checkpoint 2 iterations into epoch 2, resumed: the same
+    weights, EMA and loss scale as without the interruption, and the same epoch
+    record (the meter's sums are restored). Drop path and mixup draw from the
+    restored RNG streams."""
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    opts = ["TRAIN.CHECKPOINT_ITER_PERIOD", "2", "VIT.DROP_PATH", "0.1",
+            "TRAIN.MIXUP_ALPHA", "0.2", *opts]  # fmt: skip
+    launch(train_model, _short(digits, full, *opts))
+    shutil.copytree(full, crashed)
+    paths = ckpt.list_checkpoints(str(crashed))  # oldest first
+    names = [os.path.basename(p) for p in paths]
+    suffix = ".dcp" if "FSDP.ENABLED" in opts else ".pyth"
+    keep = names.index(f"model_epoch_0002_iter_000002{suffix}")
+    for path in paths[keep + 1 :]:
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    launch(train_model, _short(digits, crashed, *opts))
+    assert "resumed from" in (crashed / "stdout.log").read_text()
+    a, b = (_final_state(d, suffix) for d in (full, crashed))
+    assert set(a) == set(b) and any(k.startswith("ema.") for k in a)
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), key
+    full_epoch, resumed_epoch = (
+        [r for r in load_json_stats(str(d / "stdout.log"))
+         if r["_type"] == "train_epoch"][-1]
+        for d in (full, crashed)
+    )  # fmt: skip
+    assert resumed_epoch["loss"] == full_epoch["loss"]
+
+
+def _final_state(out_dir, suffix):
+    """The last checkpoint's weights and EMA ('model.*', 'ema.*') and, for a file
+    (O2), its loss scaler and master weights ('scaler.*', 'master.*')."""
+    path = out_dir / "checkpoints" / f"model_epoch_0002{suffix}"
+    if suffix == ".dcp":
+        return {
+            f"{key}.{k}": v
+            for key in ("model", "ema")
+            for k, v in sharded.read_model_state(str(path), key).items()
+        }
+    state = torch.load(path, weights_only=True)
+    scaler = {k: torch.tensor(v) for k, v in state["scaler_state"].items()}
+    return {
+        **{f"model.{k}": v for k, v in state["model_state"].items()},
+        **{f"ema.{k}": v for k, v in state["ema_state"].items()},
+        **{f"scaler.{k}": v for k, v in scaler.items()},
+        **{f"master.{i}": v for i, v in enumerate(state["master_state"]["master"])},
+    }
+
+
+@pytest.mark.parametrize("accum", ["1", "2"])
+def test_a_step_weighted_zero_leaves_the_weights(accum):
+    """A rank without images joins the others' step with a blank batch weighted 0
+    (_step_without_images): its gradients are zeros, so with plain SGD (no momentum,
+    no weight decay) not one weight moves, while an unweighted step moves them."""
+    cfg = tiny_cfg(
+        "TRAIN.BATCH_SIZE", "4", "TRAIN.ACCUM_STEPS", accum, "OPTIM.OPTIMIZER", "sgd",
+        "OPTIM.MOMENTUM", "0.0", "OPTIM.NESTEROV", "False", "OPTIM.WEIGHT_DECAY", "0.0",
+        "OPTIM.BASE_LR", "0.1",
+    )  # fmt: skip
+    parts = build_components(cfg, loaders=False)
+    before = {k: v.clone() for k, v in parts.model.state_dict().items()}
+    images, labels = torch.randn(4, 3, 32, 32), torch.arange(4)
+    loss, _, _ = train_step(parts, images, labels, weight=0.0)
+    assert loss.item() > 0  # the loss is reported unweighted
+    for k, v in parts.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    train_step(parts, images, labels)
+    assert not torch.equal(
+        parts.model.head.head_fc.weight, before["head.head_fc.weight"]
+    )
