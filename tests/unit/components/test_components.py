@@ -168,8 +168,12 @@ def test_fused_or_foreach_is_chosen_at_construction(monkeypatch):
 def test_backend_flags_follow_the_config(tf32):
     from pycls_fast.components.precision import apply_backend_flags, fp32_math
 
+    # Restored through the same API apply_backend_flags uses: writing the CUDA
+    # matmul's fp32_precision directly would leave torch's two APIs mixed, and
+    # torch.get_float32_matmul_precision() raising for every later test.
     saved = (
-        torch.backends.cuda.matmul.fp32_precision,
+        torch.get_float32_matmul_precision(),
+        torch.backends.mkldnn.matmul.fp32_precision,
         torch.backends.cudnn.conv.fp32_precision,
         torch.backends.cudnn.benchmark,
     )
@@ -182,9 +186,10 @@ def test_backend_flags_follow_the_config(tf32):
         assert torch.backends.cudnn.conv.fp32_precision == expected
         assert torch.backends.cudnn.benchmark is (not tf32)
     finally:
-        torch.backends.cuda.matmul.fp32_precision = saved[0]
-        torch.backends.cudnn.conv.fp32_precision = saved[1]
-        torch.backends.cudnn.benchmark = saved[2]
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.mkldnn.matmul.fp32_precision = saved[1]
+        torch.backends.cudnn.conv.fp32_precision = saved[2]
+        torch.backends.cudnn.benchmark = saved[3]
 
 
 @pytest.mark.parametrize(

@@ -106,7 +106,13 @@ def test_no_host_sync_on_steps_without_a_log_line(
     steps = parts.train_batches.per_step
     assert len(steps) == len(parts.train_loader) >= 2 * cfg.LOG_PERIOD
     logging = [i for i in range(len(steps)) if (i + 1) % cfg.LOG_PERIOD == 0]
-    assert [i for i, n in enumerate(steps) if n and i not in logging] == [], steps
+    # fp16: the loss scaler reads the overflow flag until the optimizer's first clean
+    # step (a fused optimizer must not skip the step that creates its state): those
+    # steps, at most the skipped ones and the first clean one, may sync.
+    first = parts.scaler.skipped_steps + 1 if dtype == "fp16" else 0
+    assert [
+        i for i, n in enumerate(steps) if n and i not in logging and i >= first
+    ] == [], steps
     # The counter sees the reads a log line makes.
     assert all(steps[i] > 0 for i in logging), steps
 
