@@ -222,6 +222,9 @@ class CheckpointTensors(Mapping):
         dcp.load({self.key: {name: t}}, checkpoint_id=self.path, no_dist=True)
         return t
 
+    def __contains__(self, name) -> bool:
+        return name in self._entries  # without reading it (Mapping's would)
+
     def __iter__(self):
         return iter(self._entries)
 
