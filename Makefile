@@ -132,7 +132,7 @@ bench-infer: setup
 		--csv out/bench/infer.csv
 
 # Peak memory per rank while building and stepping ViT-g/14 (1.01B parameters) under
-# FSDP on 2 ranks: each builds its half, never the whole. About 12 GB of host memory
+# FSDP on 2 ranks: each builds its half, never the whole. About 13 GB of host memory
 # on a CPU (2 ranks) and ten minutes on 2 cores: check `free -g` first.
 bench-build-memory: setup
 	$(PY) -m benchmarks.build_memory --json-out out/bench/build_memory_ViT-g-14.json

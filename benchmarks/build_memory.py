@@ -17,7 +17,7 @@ gradients and optimizer state (`state_bytes`). The goal: a rank's build peak is
 about its shard (whole / nproc; x 2 with the EMA), not the whole model.
 
 Defaults keep two CPU ranks of ViT-g/14 (1.01B parameters, 4.05 GB in fp32) within
-~10 GB of host memory: SGD without momentum (no optimizer state: AdamW would add two
+~13 GB of host memory: SGD without momentum (no optimizer state: AdamW would add two
 shards) and no EMA (`--ema` adds one shard). The host has no swap: check `free -g`
 first. Runs on main's code too (for a before / after): only build_components,
 train_step and synthetic_batch are used.
