@@ -20,8 +20,11 @@ def _meta(cfg):
         return build_model(cfg)
 
 
-def test_meta_model_filled_per_tensor_is_build_models():
-    cfg = tiny_cfg("VIT.LAYER_SCALE", "0.1")
+@pytest.mark.parametrize(
+    "extra", [[], ["VIT.QK_NORM", "True", "VIT.CLASSIFIER_TYPE", "pooled"]]
+)
+def test_meta_model_filled_per_tensor_is_build_models(extra):
+    cfg = tiny_cfg("VIT.LAYER_SCALE", "0.1", *extra)
     torch.manual_seed(3)
     whole = build_model(cfg)
     torch.manual_seed(3)
