@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 	distill-demo \
 	check-node bench bench-dist bench-attention \
 	bench-loader bench-index bench-shards bench-loader-scaling \
-	bench-optimizer bench-progressive bench-infer mutation clean
+	bench-optimizer bench-progressive bench-infer bench-build-memory mutation clean
 
 setup: $(STAMP)
 
@@ -141,6 +141,12 @@ bench-infer: setup
 	mkdir -p out/bench
 	$(PY) tools/time_net.py --cfg $(INFER_CFG) --infer --batch-sizes $(INFER_BATCHES) \
 		--csv out/bench/infer.csv
+
+# Peak memory per rank while building and stepping ViT-g/14 (1.01B parameters) under
+# FSDP on 2 ranks: each builds its half, never the whole. About 13 GB of host memory
+# on a CPU (2 ranks) and ten minutes on 2 cores: check `free -g` first.
+bench-build-memory: setup
+	$(PY) -m benchmarks.build_memory --json-out out/bench/build_memory_ViT-g-14.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -153,11 +153,21 @@ def save_checkpoint(out_dir: str, state: dict, epoch: int, iteration: int = 0) -
     return path
 
 
-def safe_load(source, name: str):
+def safe_load(source, name: str, mmap: bool = False):
     """torch.load with weights_only (tensors and plain values only, never code);
     CheckpointError naming `name` when `source` holds anything else or is
-    unreadable."""
+    unreadable. `mmap`: the tensors are views of the file mapped into memory (read
+    from disk when touched, not copied: a rank that takes its shards of them
+    reads only those); torch's zip format only, others are read whole."""
     try:
+        if mmap:
+            try:
+                return torch.load(
+                    source, map_location="cpu", weights_only=True, mmap=True
+                )
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
         return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:
         text = str(e).strip()
@@ -177,9 +187,10 @@ def safe_load(source, name: str):
         raise CheckpointError(f"cannot read checkpoint {name}: {first}") from None
 
 
-def load_checkpoint(path: str) -> dict:
-    """Loads a checkpoint file (CPU tensors); CheckpointError if unreadable or if it
-    holds anything but tensors and plain values."""
+def load_checkpoint(path: str, mmap: bool = False) -> dict:
+    """Loads a checkpoint file (CPU tensors; memory-mapped with `mmap`, see
+    `safe_load`); CheckpointError if unreadable or if it holds anything but tensors
+    and plain values."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint not found: {path}")
-    return safe_load(path, path)
+    return safe_load(path, path, mmap)

@@ -10,12 +10,14 @@ that looks complete.
     save(path, model, optimizer, ema, meta, rank_state)   # every rank
     meta, rank_state = load(path, model, optimizer, ema)  # every rank
     read_model_state(path, key="model")                   # one process, no group
+    CheckpointTensors(path, key="model")                  # the same, read per tensor
     consolidate(path, out_file)                           # one single-file checkpoint
 """
 
 import io
 import os
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,7 +38,15 @@ from pycls_fast.errors import CheckpointError
 from pycls_fast.parallel.tensor_parallel import to_checkpoint, tp_size
 from pycls_fast.runtime import distributed
 
-__all__ = ["SUFFIX", "is_sharded", "save", "load", "read_meta", "read_model_state"]
+__all__ = [
+    "SUFFIX",
+    "CheckpointTensors",
+    "is_sharded",
+    "save",
+    "load",
+    "read_meta",
+    "read_model_state",
+]
 
 
 def _blob(obj):
@@ -185,6 +195,41 @@ def read_meta(path: str, no_dist: bool = True) -> dict[str, Any]:
     state = {"extra": {"meta": io.BytesIO()}}
     dcp.load(state, checkpoint_id=path, no_dist=no_dist)
     return _unblob(state["extra"]["meta"], path)
+
+
+class CheckpointTensors(Mapping):
+    """The full tensors of the state `key` ('model' or 'ema') of a sharded
+    checkpoint, each read from disk when asked for (CPU, its saved dtype): a
+    reader holds one tensor at a time, never the whole model. One process, no
+    process group needed."""
+
+    def __init__(self, path: str, key: str = "model") -> None:
+        prefix = key + "."
+        self.path, self.key = path, key
+        self._entries = {
+            name[len(prefix) :]: e
+            for name, e in _read_metadata(path).items()
+            if name.startswith(prefix) and hasattr(e, "size")
+        }
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name`, without reading it."""
+        return tuple(self._entries[name].size)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        e = self._entries[name]
+        t = torch.empty(tuple(e.size), dtype=e.properties.dtype)
+        dcp.load({self.key: {name: t}}, checkpoint_id=self.path, no_dist=True)
+        return t
+
+    def __contains__(self, name) -> bool:
+        return name in self._entries  # without reading it (Mapping's would)
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def read_model_state(path: str, key: str = "model") -> dict[str, torch.Tensor]:

@@ -1,16 +1,18 @@
 """Loading a checkpoint's weights into a model (TRAIN.WEIGHTS, TEST.WEIGHTS)."""
 
 import math
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 import torch
 import yaml
 
 from pycls_fast.checkpoint.files import is_sharded, load_checkpoint
-from pycls_fast.checkpoint.sharded import read_meta, read_model_state
+from pycls_fast.checkpoint.sharded import CheckpointTensors, read_meta
 from pycls_fast.errors import CheckpointError
 from pycls_fast.models.pycls_compat import is_pycls_main
 from pycls_fast.models.timm_compat import unwrap_state_dict
+from pycls_fast.parallel.materialize import copy_full_tensors
 
 HEAD = "head."
 RESET_HINT = "set TRAIN.RESET_HEAD True to re-initialise the classifier"
@@ -89,10 +91,10 @@ def _misfit(state: dict, ours: dict, allow_missing_head: bool, reset_head: bool)
     unexpected = [k for k in state if k not in ours]
     if unexpected:
         return f"has unknown tensor {unexpected[0]}"
-    wrong = [k for k in ours if k in state and state[k].shape != ours[k].shape]
+    wrong = [k for k in ours if k in state and state.shape(k) != ours[k].shape]
     if wrong:
         text = (
-            f"has {wrong[0]} of shape {tuple(state[wrong[0]].shape)}, "
+            f"has {wrong[0]} of shape {tuple(state.shape(wrong[0]))}, "
             f"the model expects {tuple(ours[wrong[0]].shape)}"
         )
         if allow_missing_head and wrong[0].startswith(HEAD):
@@ -127,12 +129,14 @@ def _pycls_choice(checkpoint: dict) -> tuple[str, str]:
 
 
 def _read(path: str, use_ema: bool):
-    """(state dict, whether it is the EMA's, meta dict, why) of a checkpoint."""
+    """(state, whether it is the EMA's, meta dict, why) of a checkpoint; `state`
+    maps names to full tensors that are read when taken (a sharded checkpoint's
+    one by one, a file's memory-mapped), not all at once."""
     if is_sharded(path):
-        ema = read_model_state(path, "ema") if use_ema else {}
-        state = ema or read_model_state(path)
+        ema = CheckpointTensors(path, "ema") if use_ema else {}
+        state = ema or CheckpointTensors(path)
         return state, bool(ema), read_meta(path), ""
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_checkpoint(path, mmap=True)
     meta = checkpoint if isinstance(checkpoint, dict) else {}
     if use_ema and "ema_state" in checkpoint:
         return checkpoint["ema_state"], True, meta, ""
@@ -141,6 +145,44 @@ def _read(path: str, use_ema: bool):
         chosen = {"model_state": checkpoint[key]}
         return unwrap_state_dict(chosen), key == "ema_state", meta, why
     return unwrap_state_dict(checkpoint), False, meta, ""
+
+
+class _Tensors(MutableMapping):
+    """A checkpoint's tensors by name with what loading changes on the way in (a
+    resampled position embedding, a dropped head), none read until taken."""
+
+    def __init__(self, source: Mapping) -> None:
+        self._source, self._set, self._dropped = source, {}, set()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._set and hasattr(self._source, "shape"):
+            return self._source.shape(name)
+        return tuple(self[name].shape)
+
+    def __getitem__(self, name):
+        if name in self._dropped:
+            raise KeyError(name)
+        return self._set[name] if name in self._set else self._source[name]
+
+    def __setitem__(self, name, value):
+        self._dropped.discard(name)
+        self._set[name] = value
+
+    def __delitem__(self, name):
+        if name not in self:
+            raise KeyError(name)
+        self._set.pop(name, None)
+        self._dropped.add(name)
+
+    def __contains__(self, name):
+        return name not in self._dropped and (name in self._set or name in self._source)
+
+    def __iter__(self):
+        seen = [k for k in self._source if k not in self._dropped]
+        return iter(seen + [k for k in self._set if k not in self._source])
+
+    def __len__(self):
+        return sum(1 for _ in self)
 
 
 def checkpoint_channel_order(path: str) -> tuple[str, str] | None:
@@ -171,30 +213,36 @@ def load_model_weights(
     allow_missing_head=False,
     use_ema=False,
     reset_head=False,
+    reference: dict[str, torch.Tensor] | None = None,
 ) -> LoadedWeights:
     """Loads model weights (the EMA weights with `use_ema`, when the checkpoint has
-    them) from a checkpoint file or sharded checkpoint directory into `model` (not
-    yet sharded); names the file on mismatch. A position embedding trained at another
-    image size (or patch grid) is interpolated to this model's grid.
-    `allow_missing_head`: head.* tensors may be absent (TRAIN.WEIGHTS);
-    `reset_head`: head.* tensors of another shape are skipped too, leaving the
-    model's fresh classifier (TRAIN.RESET_HEAD)."""
-    state, ema, meta, why = _read(path, use_ema)
-    ours = model.state_dict()
-    state = dict(state)
+    them) from a checkpoint file or sharded checkpoint directory into `model`, whole
+    or already sharded (each rank keeps its pieces: parallel/materialize.py; one
+    full tensor at a time, never the whole model); names the file on mismatch. A
+    position embedding trained at another image size (or patch grid) is
+    interpolated to this model's grid. `allow_missing_head`: head.* tensors may be
+    absent (TRAIN.WEIGHTS); `reset_head`: head.* tensors of another shape are
+    skipped too, leaving the model's fresh classifier (TRAIN.RESET_HEAD).
+    `reference`: the whole model's state dict (meta tensors will do) when `model`
+    holds only some of it (a pipeline stage); default: `model`'s own."""
+    source, ema, meta, why = _read(path, use_ema)
+    ours = reference if reference is not None else model.state_dict()
+    state = _Tensors(source)
     note = resample_pos_embedding(state, ours)
     reset = []
     if reset_head:
         reset = [
             k
             for k in ours
-            if k.startswith(HEAD) and k in state and state[k].shape != ours[k].shape
+            if k.startswith(HEAD) and k in state and state.shape(k) != ours[k].shape
         ]
-        state = {k: v for k, v in state.items() if k not in reset}
+        for k in reset:
+            del state[k]
     what = _misfit(state, ours, allow_missing_head, reset_head)
     if what:
         raise CheckpointError(f"checkpoint {path} does not fit this model: it {what}")
-    model.load_state_dict(state, strict=not (allow_missing_head or reset_head))
+    # Each tensor read (or paged in) when its turn comes, this rank's piece kept.
+    copy_full_tensors(model, lambda name, t: state.get(name))
     epoch = meta.get("epoch")
     return LoadedWeights(
         path=path,

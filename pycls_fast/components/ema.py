@@ -14,10 +14,24 @@ def create_ema(model: nn.Module) -> nn.Module:
     """Returns a frozen copy of `model` to hold the EMA weights, in fp32 whatever the
     model's dtypes: with alpha ~ 1e-3 an update in bf16 or fp16 rounds away (the
     EMA would not move). Evaluated under autocast like AMP O2 (trainer.test_epoch).
-    Made before the model is sharded or wrapped; FSDP shards it alike."""
+    Made before the model is sharded or wrapped, on the meta device for a model
+    built there (a copy of shapes only); it is sharded alike, then `fill_ema`
+    gives it the model's values, shard by shard."""
     ema = copy.deepcopy(model).float()
     for p in ema.parameters():
         p.requires_grad_(False)
+    return ema
+
+
+@torch.no_grad()
+def fill_ema(ema: nn.Module, model: nn.Module, device: torch.device) -> nn.Module:
+    """Allocates `ema` (from `create_ema`, split and sharded like `model`) on
+    `device` and copies the model's values into it, each rank its own shards (no
+    whole copy on any rank); returns `ema`."""
+    ema.to_empty(device=device)
+    theirs = model.state_dict()
+    for name, e in ema.state_dict().items():
+        local_tensor(e).copy_(local_tensor(theirs[name]))
     return ema
 
 

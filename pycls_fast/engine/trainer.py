@@ -30,9 +30,8 @@ from pycls_fast.checkpoint.remote import PULLED_MARKER, RemoteOut, mirror_dir
 from pycls_fast.checkpoint.weights import (
     LoadedWeights,
     checkpoint_channel_order,
-    load_model_weights,
 )
-from pycls_fast.components.ema import create_ema, ema_alpha, ema_enabled, update_ema
+from pycls_fast.components.ema import ema_alpha, update_ema
 from pycls_fast.components.losses import build_loss
 from pycls_fast.components.meters import EpochMeter, memory_mb, topk_errors
 from pycls_fast.components.optimizer import (
@@ -52,7 +51,6 @@ from pycls_fast.components.precision import (
     describe_precision,
     input_dtype,
     loss_scaler,
-    prepare_model,
     resolve_amp,
 )
 from pycls_fast.components.spike_guard import SpikeGuard, build_spike_guard
@@ -65,35 +63,27 @@ from pycls_fast.datasets.loader import (
 from pycls_fast.datasets.to_device.prefetch import DevicePrefetcher
 from pycls_fast.datasets.to_device.transform import DeviceBatchTransform
 from pycls_fast.engine.distill import Distiller, build_distiller
+from pycls_fast.engine.model_setup import build_model_parts
 from pycls_fast.errors import (
     NonFiniteLossError,
     OutDirInUseError,
     UserError,
 )
-from pycls_fast.models import build_model
 from pycls_fast.observe.logging import format_eta, log_json_stats, setup_logging
 from pycls_fast.observe.profiling import StepProfiler
 from pycls_fast.observe.stats_sinks import attach_stats_sinks
 from pycls_fast.parallel.data_parallel import (
     fsdp_enabled,
-    parallelize,
-    shard_model,
     sharded_checkpoints,
     unwrap,
 )
 from pycls_fast.parallel.mesh import Layout, build_mesh
 from pycls_fast.parallel.pipeline import (
     PipelineRunner,
-    split_model,
-    stage_bounds,
-    stage_union,
-    stages_per_rank,
 )
 from pycls_fast.parallel.planner import auto_layout, device_gib
 from pycls_fast.parallel.tensor_parallel import (
-    apply_tp,
     clip_grad_norm_,
-    sequence_parallel,
 )
 from pycls_fast.runtime import distributed
 from pycls_fast.runtime.device_info import describe_device
@@ -228,67 +218,29 @@ def build_components(
 ):
     """Builds the model, precision, parallel wrapper, optimizer, scaler, EMA and the
     loaders (and their device-side batch preparation) of the splits named in
-    `loaders`. `weights`: a checkpoint to load into the model before it is wrapped
-    (its EMA weights with `use_ema`). `model`: another nn.Module to train in place of
+    `loaders`. The model is built sharded (engine/model_setup.py): no rank holds
+    the whole of it. `weights`: a checkpoint to load into the model's shards (its
+    EMA weights with `use_ema`). `model`: another nn.Module to train in place of
     the config's (e.g. a peer implementation in benchmarks)."""
     device = distributed.device()
     mode, half = resolve_amp(cfg)
     layout = Layout.from_cfg(cfg, distributed.world_size())
     mesh = build_mesh(layout, device.type) if layout.model_parallel else None
     pp_i, data_rank, tp_i = layout.coords(distributed.rank())
-    if model is None:
-        model = build_model(cfg)
-        if cfg.TRAIN.WEIGHTS:
-            start = load_model_weights(
-                model,
-                cfg.TRAIN.WEIGHTS,
-                allow_missing_head=True,
-                reset_head=cfg.TRAIN.RESET_HEAD,
-            )
-            logger.info("TRAIN.WEIGHTS: %s", start.describe())
-    loaded = None
-    if weights:
-        loaded = load_model_weights(model, weights, use_ema=use_ema)
-        logger.info("%s", loaded.describe())
-    model.to(device)
+    built = build_model_parts(
+        cfg,
+        device,
+        mode,
+        half,
+        layout,
+        mesh,
+        pp_i,
+        weights=weights,
+        use_ema=use_ema,
+        model=model,
+    )
+    model, trained, ema = built.model, built.trained, built.ema
     fsdp = fsdp_enabled(cfg)
-    if not (fsdp and mode is AmpMode.O2):
-        # FSDP O2 keeps fp32 shards (the master weights) and casts when gathering.
-        prepare_model(model, mode, half, cfg.AMP.LAYER_NORM_FP32)
-    pipeline = ema_pipeline = None
-    if layout.pp > 1:
-        stages = split_model(model, cfg, pp_i)
-        ema_stages = None
-        if ema_enabled(cfg):
-            ema_stages = [(i, create_ema(m)) for i, m in stages]
-        stages = [
-            (i, _parallelize(m, cfg, mode, half, device, layout, mesh))
-            for i, m in stages
-        ]
-        group = mesh["pp"].get_group()
-        pipeline = PipelineRunner(stages, cfg, group, device)
-        # The optimizer, EMA updates and checkpoints see the rank's stages as one
-        # module with the whole model's parameter names.
-        trained = stage_union([unwrap(m) for _, m in stages])
-        ema = None
-        if ema_stages is not None:
-            for _, e in ema_stages:
-                _parallelize(e, cfg, mode, half, device, layout, mesh, ema=True)
-            ema = stage_union([e for _, e in ema_stages])
-            ema_pipeline = PipelineRunner(ema_stages, cfg, group, device, train=False)
-        model = trained
-        logger.info(
-            "pipeline: %d stages (%s), blocks %s on this rank, %d micro-batches",
-            layout.pp * stages_per_rank(cfg),
-            cfg.PARALLEL.PP_SCHEDULE,
-            ", ".join(f"stage {i}: {b[0]}-{b[1] - 1}" for i, b in _bounds(cfg, stages)),
-            pipeline.n_micro,
-        )
-    else:
-        ema = create_ema(model) if ema_enabled(cfg) else None
-        if ema is not None:
-            _parallelize(ema, cfg, mode, half, device, layout, mesh, ema=True)
-        trained = _parallelize(model, cfg, mode, half, device, layout, mesh)
     distiller = None
     if weights is None:  # training: the teacher, if any
         distiller = build_distiller(cfg, device, mode, half)
@@ -316,12 +268,12 @@ def build_components(
         master=master,
         ema=ema,
         opt_params=[p for g in groups for p in g["params"]],
-        loaded=loaded,
+        loaded=built.loaded,
         layout=layout,
         mesh=mesh,
         data_rank=data_rank,
-        pipeline=pipeline,
-        ema_pipeline=ema_pipeline,
+        pipeline=built.pipeline,
+        ema_pipeline=built.ema_pipeline,
         reports_metrics=tp_i == 0 and pp_i == layout.pp - 1,
     )
     dtype = input_dtype(mode, half)
@@ -332,31 +284,6 @@ def build_components(
     if "test" in (loaders or ()):
         parts.attach_test_loader(cfg)
     return parts
-
-
-def _parallelize(model, cfg, mode, half, device, layout, mesh, ema=False):
-    """Tensor parallelism (if any), then checkpointing, compile, FSDP or DDP over the
-    data-parallel ranks: the module to train (`parallelize`). `ema`: the EMA copy,
-    split and sharded like the model (its updates are per local tensor), and
-    neither checkpointed, compiled nor wrapped."""
-    dp_mesh = mesh["dp"] if mesh is not None else None
-    if layout.tp > 1:
-        sp = sequence_parallel(cfg)
-        apply_tp(model, mesh["tp"], sp)
-        if not ema:
-            logger.info(
-                "tensor parallel over %d ranks, sequence parallel %s", layout.tp, sp
-            )
-    if ema:
-        if fsdp_enabled(cfg):
-            shard_model(model, cfg, mode, half, dp_mesh)
-        return model
-    return parallelize(model, cfg, mode, half, device, dp_mesh)
-
-
-def _bounds(cfg, stages):
-    bounds = stage_bounds(cfg, cfg.PARALLEL.PP * stages_per_rank(cfg))
-    return [(i, bounds[i]) for i, _ in stages]
 
 
 def _gradient_sync(model, enabled):

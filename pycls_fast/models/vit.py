@@ -13,6 +13,7 @@ outputs for the same weights; the layout only changes which transposes are made.
 """
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Sequence
 
@@ -406,6 +407,19 @@ class ViT(nn.Module):
         super().__init__()
         self.params = p
         self.batch_first = p.batch_first
+        # One draw of torch's global generator, whatever the device: built on the
+        # meta device (to be sharded first) or not, the run's RNG stream goes on
+        # alike, and `init_weights` (or a sharded model's materialization) fills
+        # every tensor from this seed and the tensor's name.
+        self.init_seed = init_seed()
+        target = torch.get_default_device()
+        with torch.device("meta"):  # no default init to draw and overwrite
+            self._build(p)
+        if target.type != "meta":
+            self.to_empty(device=target)
+            self.init_weights()
+
+    def _build(self, p: ViTParams) -> None:
         if p.stem_type == "patchify":
             self.stem = ViTStemPatchify(3, p.hidden_d, p.patch_size)
         else:
@@ -431,7 +445,19 @@ class ViT(nn.Module):
         self.pos_embedding = nn.Parameter(torch.zeros(1, p.seq_len, p.hidden_d))
         self.encoder = ViTEncoder(p)
         self.head = ViTHead(p.hidden_d, p.num_classes)
-        init_weights_vit(self)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Fills every parameter and buffer with pycls main's init (`init_tensor`),
+        drawn from `init_seed` and the tensor's name."""
+        tensors = [*self.named_parameters(), *self.named_buffers()]
+        for name, t in tensors:
+            if t.device.type == "cpu":
+                init_tensor(self.params, name, t, self.init_seed)
+            else:  # CPU draws: the same values on every kind of device
+                full = torch.empty_like(t, device="cpu")
+                init_tensor(self.params, name, full, self.init_seed)
+                t.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A pipeline stage is a copy of the model with the parts of other stages set
@@ -523,35 +549,69 @@ class ViT(nn.Module):
         return {"params": cx["params"], "flops": cx["flops"], "acts": cx["acts"]}
 
 
-def init_weights_vit(model: nn.Module) -> None:
-    """ViT weight init of pycls main (commit 484bb29, "Use batch-second tensor layout
-    in ViT", and unchanged since): He-normal 3x3 conv-stem convs, std sqrt(1 / w_out)
-    for the stem's last conv. The attention projections get what pycls's
+def init_seed() -> int:
+    """The seed of a model's init: one draw of torch's global CPU generator (so
+    `torch.manual_seed` decides it, as it decided torch's own init)."""
+    return int(torch.randint(0, 2**62, (), device="cpu"))
+
+
+def tensor_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded by (`seed`, the tensor's state-dict name) alone: a
+    tensor's initial values depend on nothing else built before or beside it."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def init_tensor(p: ViTParams, name: str, t: torch.Tensor, seed: int) -> None:
+    """Fills `t`, the whole CPU tensor of the parameter or buffer `name` (its
+    state-dict name) of a ViT of `p`, with its init, drawn from
+    `tensor_generator(seed, name)` in the dtype `t` has.
+
+    The init of pycls main (commit 484bb29, "Use batch-second tensor layout in
+    ViT", and unchanged since): truncated-normal patchify with std sqrt(1 / fan_in),
+    He-normal 3x3 conv-stem convs, std sqrt(1 / w_out) for the stem's last conv,
+    normal(0.02) position embedding, zero class token and head; the MLP's weights
+    Xavier-uniform with normal(1e-6) biases; the attention projections what pycls's
     torch.nn.MultiheadAttention gets by default: Xavier-uniform qkv with zero bias,
-    torch's default out-projection weight with zero bias."""
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Conv2d):
-            if "patchify" in name:
-                fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
-                init.trunc_normal_(m.weight, std=math.sqrt(1.0 / fan_in))
-                init.zeros_(m.bias)
-            elif "cstem_last" in name:
-                init.normal_(m.weight, mean=0.0, std=math.sqrt(1.0 / m.out_channels))
-                init.zeros_(m.bias)
-            elif "cstem" in name:
-                init.normal_(m.weight, mean=0.0, std=math.sqrt(2.0 / m.out_channels))
-        elif isinstance(m, nn.Linear):
-            if name.endswith("attn_proj"):
-                init.xavier_uniform_(m.weight)
-                init.zeros_(m.bias)
-            elif name.endswith("out_proj"):
-                init.zeros_(m.bias)
-            elif "mlp_block" in name:
-                init.xavier_uniform_(m.weight)
-                init.normal_(m.bias, std=1e-6)
-            elif name.endswith("head_fc"):
-                init.zeros_(m.weight)
-                init.zeros_(m.bias)
-    init.normal_(model.pos_embedding, mean=0.0, std=0.02)
-    if getattr(model, "dist_token", None) is not None:
-        init.trunc_normal_(model.dist_token, std=0.02)  # DeiT's init
+    torch's default (Kaiming-uniform, a = sqrt(5)) out-projection weight with zero
+    bias. Norms: ones and zeros; LayerScale: VIT.LAYER_SCALE; DeiT's distillation
+    token: truncated normal(0.02)."""
+    g = tensor_generator(seed, name)
+    module, _, leaf = name.rpartition(".")
+    module = module.rpartition(".")[2]  # the owning module's own name
+    norm = module in ("ln", "ln_1", "ln_2", "q_norm", "k_norm") or module.endswith(
+        "_bn"
+    )
+    if name == "pos_embedding":
+        init.normal_(t, mean=0.0, std=0.02, generator=g)
+    elif name == "dist_token":
+        init.trunc_normal_(t, std=0.02, generator=g)
+    elif name == "class_token" or module == "head_fc":
+        init.zeros_(t)
+    elif leaf == "gamma":  # LayerScale
+        init.constant_(t, p.layer_scale)
+    elif leaf in ("running_mean", "num_batches_tracked"):
+        init.zeros_(t)
+    elif leaf == "running_var":
+        init.ones_(t)
+    elif leaf == "bias" and module in ("linear_1", "linear_2"):
+        init.normal_(t, std=1e-6, generator=g)
+    elif leaf == "bias":
+        init.zeros_(t)
+    elif leaf != "weight":
+        raise ValueError(f"no init for ViT tensor {name}")
+    elif norm:
+        init.ones_(t)
+    elif module in ("attn_proj", "linear_1", "linear_2"):
+        init.xavier_uniform_(t, generator=g)
+    elif module == "out_proj":
+        init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
+    elif module == "patchify":
+        fan_in = t.shape[1] * t.shape[2] * t.shape[3]
+        init.trunc_normal_(t, std=math.sqrt(1.0 / fan_in), generator=g)
+    elif module == "cstem_last_conv":
+        init.normal_(t, mean=0.0, std=math.sqrt(1.0 / t.shape[0]), generator=g)
+    elif module.startswith("cstem") and module.endswith("_conv"):
+        init.normal_(t, mean=0.0, std=math.sqrt(2.0 / t.shape[0]), generator=g)
+    else:
+        raise ValueError(f"no init for ViT tensor {name}")

@@ -1,6 +1,8 @@
 """Parallelism applied from outside the model (the model file knows nothing of it).
 
     model = parallelize(model, cfg, mode, half, device)
+    # or, on a model built on the meta device (parallel/materialize.py):
+    shard(model, cfg, mode, half); materialize(...); wrap_data_parallel(model, ...)
 
 - one process: the model as it is;
 - several processes, FSDP.ENABLED False: DistributedDataParallel;
@@ -129,6 +131,44 @@ def wrap_ddp(
     return ddp
 
 
+def shard(
+    model: nn.Module,
+    cfg: CfgNode,
+    mode: AmpMode,
+    half: torch.dtype,
+    dp_mesh=None,
+) -> nn.Module:
+    """Activation checkpointing, compile, then FSDP if enabled: what applies to
+    `model` before its tensors hold values (on the meta device; or on its device,
+    already split by tensor parallelism if any), in place; returns it. `dp_mesh`:
+    the data-parallel ranks of a model-parallel mesh (None: all ranks)."""
+    if cfg.FSDP.ACTIVATION_CHECKPOINT:
+        apply_activation_checkpointing(model)
+    apply_compile(model, cfg.TRAIN.COMPILE)
+    if fsdp_enabled(cfg):
+        shard_model(model, cfg, mode, half, dp_mesh)
+    return model
+
+
+def wrap_data_parallel(
+    model: nn.Module,
+    cfg: CfgNode,
+    mode: AmpMode,
+    device: torch.device,
+    dp_mesh=None,
+) -> nn.Module:
+    """The module to train after `shard` and materialization: a DDP wrapper when
+    several data-parallel ranks replicate `model` (no FSDP), else `model` itself
+    (DDP broadcasts rank 0's values at construction: they must exist)."""
+    if fsdp_enabled(cfg):
+        return model
+    data_parallel = dp_mesh.size() if dp_mesh is not None else distributed.world_size()
+    if data_parallel > 1:
+        group = dp_mesh.get_group() if dp_mesh is not None else None
+        return wrap_ddp(model, mode, device, group)
+    return model
+
+
 def parallelize(
     model: nn.Module,
     cfg: CfgNode,
@@ -137,21 +177,13 @@ def parallelize(
     device: torch.device,
     dp_mesh=None,
 ) -> nn.Module:
-    """Returns the module to train: `model` itself (one process, or sharded in place
-    by FSDP) or a DDP wrapper around it. `model` is on `device`, prepared for `mode`
-    (for FSDP O2: still fp32, see the module docstring), already split by tensor
-    parallelism if any; `dp_mesh`: the data-parallel ranks of a model-parallel mesh
-    (None: all ranks are data-parallel)."""
-    if cfg.FSDP.ACTIVATION_CHECKPOINT:
-        apply_activation_checkpointing(model)
-    apply_compile(model, cfg.TRAIN.COMPILE)
-    if fsdp_enabled(cfg):
-        return shard_model(model, cfg, mode, half, dp_mesh)
-    data_parallel = dp_mesh.size() if dp_mesh is not None else distributed.world_size()
-    if data_parallel > 1:
-        group = dp_mesh.get_group() if dp_mesh is not None else None
-        return wrap_ddp(model, mode, device, group)
-    return model
+    """`shard` then `wrap_data_parallel` of a model whose tensors hold values: the
+    module to train, `model` itself (one process, or sharded in place by FSDP) or a
+    DDP wrapper around it. `model` is on `device`, prepared for `mode` (for FSDP
+    O2: still fp32, see the module docstring), already split by tensor parallelism
+    if any."""
+    shard(model, cfg, mode, half, dp_mesh)
+    return wrap_data_parallel(model, cfg, mode, device, dp_mesh)
 
 
 def apply_compile(model: nn.Module, how: str) -> nn.Module:

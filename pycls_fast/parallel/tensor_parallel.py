@@ -118,18 +118,21 @@ def _block_plan(seq_dim: int, sp: bool) -> dict:
 
 def apply_tp(model: ViT, tp_mesh, sp: bool) -> ViT:
     """Splits every encoder block of `model` over the 1-D mesh `tp_mesh` (in place,
-    before FSDP; the model's weights are equal on all its ranks). `sp`: sequence
-    parallelism (see `sequence_parallel`)."""
+    before FSDP; the model is on the meta device, or its weights are equal on all
+    its ranks). `sp`: sequence parallelism (see `sequence_parallel`)."""
     tp = tp_mesh.size()
     seq_dim = 1 if model.batch_first else 0
     seq = Shard(seq_dim)
     blocks = [m for m in model.modules() if isinstance(m, ViTEncoderBlock)]
     for block in blocks:
         attn = block.self_attention
-        order = qkv_rank_order(attn.attn_proj.weight.size(0), tp)
-        with torch.no_grad():
-            attn.attn_proj.weight.copy_(attn.attn_proj.weight[order])
-            attn.attn_proj.bias.copy_(attn.attn_proj.bias[order])
+        if not attn.attn_proj.weight.is_meta:
+            # A model on the meta device gets its rows in this order when it is
+            # materialized (parallel/materialize.py).
+            order = qkv_rank_order(attn.attn_proj.weight.size(0), tp)
+            with torch.no_grad():
+                attn.attn_proj.weight.copy_(attn.attn_proj.weight[order])
+                attn.attn_proj.bias.copy_(attn.attn_proj.bias[order])
         # torchtitan's way: the module's head count becomes this rank's.
         attn.n_heads = attn.n_heads // tp
         plan = _block_plan(seq_dim, sp)

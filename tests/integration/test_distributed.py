@@ -212,9 +212,10 @@ def test_sharded_checkpoints_resume_at_any_world_size(digits, tmp_path):
     assert abs(ema["loss"] - ema_two["loss"]) <= tol
 
     # test_net reads the sharded checkpoint in one process; the consolidated single
-    # file gives the same figures.
+    # file gives the same figures (in fp32, as the training evaluated: bf16 may
+    # move an image across the decision of these weights).
     ckpt = str(full_dir / "checkpoints" / "model_epoch_0002.dcp")
-    tested = _run(TEST_NET, digits, tmp_path / "t1", "TEST.WEIGHTS", ckpt)
+    tested = _run(TEST_NET, digits, tmp_path / "t1", *FP32, "TEST.WEIGHTS", ckpt)
     assert tested.returncode == 0, tested.stderr[-2000:]
     single = str(tmp_path / "consolidated.pyth")
     tool = os.path.join(ROOT, "tools/consolidate_checkpoint.py")
@@ -222,7 +223,7 @@ def test_sharded_checkpoints_resume_at_any_world_size(digits, tmp_path):
         [sys.executable, tool, ckpt, single], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    tested_file = _run(TEST_NET, digits, tmp_path / "t2", "TEST.WEIGHTS", single)
+    tested_file = _run(TEST_NET, digits, tmp_path / "t2", *FP32, "TEST.WEIGHTS", single)
     assert tested_file.returncode == 0, tested_file.stderr[-2000:]
     expected = f"top-1 accuracy: {100.0 - target['top1_err']:.2f}%"
     assert expected in tested.stdout and expected in tested_file.stdout
