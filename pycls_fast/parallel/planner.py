@@ -214,6 +214,15 @@ def optimizer_states(cfg: CfgNode) -> int:
     return _states_of(cfg.OPTIM.OPTIMIZER, cfg.OPTIM.MOMENTUM)
 
 
+def rank_memory(cfg: CfgNode, c: Candidate, pp_rank: int, tensors=None) -> dict:
+    """Bytes by part (as `per_rank_memory`) of the ranks of pipeline rank `pp_rank`
+    in candidate `c` (tools/plan_net.py --dry-run compares them with a rank's)."""
+    tensors = tensors or _param_tensors(cfg)
+    per_rank = stages_per_rank(cfg) if c.pp > 1 else 1
+    bounds = stage_bounds(cfg, c.pp * per_rank)
+    return _stage_memory(cfg, c, pp_rank, bounds, tensors)
+
+
 def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, int]:
     """The bytes of pipeline rank `rank` (its stages rank and rank + PP)."""
     stages = list(range(rank, len(bounds), c.pp))
