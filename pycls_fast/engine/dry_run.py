@@ -19,7 +19,10 @@ temporaries), next to parallel/planner.py's prediction for the same rank. Not
 counted: the CUDA context and kernels' workspaces, the allocator's rounding and
 fragmentation (the planner's HEADROOM), communication buffers of NCCL.
 
-Simulated, not run: DDP's wrapper (its reducer needs real tensors; a DDP rank is run
+Simulated, not run: VIT.ATTENTION 'auto' is the kernel it resolves to on CUDA
+(SDPA; on the CPU device type torch then runs its flash kernel, which keeps what
+CUDA's flash kernel keeps: the output and the log-sum-exp, no attention matrix),
+DDP's wrapper (its reducer needs real tensors; a DDP rank is run
 as one process at its share of the batch: DDP's buckets are the gradients,
 `gradient_as_bucket_view`), the device (the dry run uses the CPU device type: the
 same tensors, without CUDA streams), and torch.compile (TRAIN.COMPILE is set to
@@ -53,6 +56,7 @@ from pycls_fast.config import pp_microbatches, with_overrides
 from pycls_fast.engine.trainer import build_components, train_step
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
+from pycls_fast.models.attention import resolve_kernel
 from pycls_fast.parallel.data_parallel import fsdp_enabled, sharded_checkpoints
 from pycls_fast.parallel.mesh import Layout
 from pycls_fast.parallel.planner import GIB, HEADROOM, Candidate, rank_memory
@@ -103,7 +107,12 @@ def dry_run(cfg: CfgNode, rank: int = 0) -> DryRunReport:
         )
         run_rank, run_world = 0, 1
         notes.append("DDP: run as one process at its share of the batch")
-    run_cfg = with_overrides(run_cfg, {"TRAIN.COMPILE": "off"})
+    overrides = {"TRAIN.COMPILE": "off"}
+    if cfg.VIT.ATTENTION == "auto":
+        # The kernel a GPU would run (SDPA: flash keeps no attention matrix), not
+        # this CPU's measured choice.
+        overrides["VIT.ATTENTION"] = resolve_kernel("auto", "cuda", resolve_amp(cfg)[1])
+    run_cfg = with_overrides(run_cfg, overrides)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group(
@@ -441,10 +450,10 @@ def format_report(name: str, gpu_gib: float, r: DryRunReport) -> str:
     ]
     for k in _MEASURED:
         lines.append(f"  {k:24s} {r.measured[k] / GIB:8.2f} {p[k] / GIB:8.2f}")
-    step = p["grads"] + p["gathered"] + p["activations"]
+    step = p["grads"] + p["gathered"] + p["autocast"] + p["activations"]
     lines.append(
-        f"  {'step peak (grads, gathered, activations)':24s}\n"
-        f"  {'':24s} {r.measured['step'] / GIB:8.2f} {step / GIB:8.2f}"
+        f"  {'step peak':24s} {r.measured['step'] / GIB:8.2f} {step / GIB:8.2f}"
+        "  (grads, gathered weights, autocast casts, activations)"
     )
     total, pred = r.measured["total"], p["total"]
     ratio = total / pred if pred else float("nan")

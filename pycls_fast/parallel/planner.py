@@ -18,6 +18,10 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
   prefetched, in the compute dtype) and one block's unsharded gradients; in a
   pipeline, the whole stage's weights and gradients unsharded (torch's PipelineStage
   gathers an FSDP stage once for all its micro-batches and reduces after the last);
+- under AMP O1, autocast's cache of the half-precision casts of the Linear and
+  Conv2d weights, held until the autocast context ends (the forward; a pipeline's
+  whole step): a half copy of the rank's TP-local stage weights, FSDP or not
+  (measured by engine/dry_run.py);
 - activations kept for backward, per block and image, by Korthikanti et al.
   ("Reducing Activation Recomputation in Large Transformer Models", 2022, eqs. 2-4):
   s*h*(34 + 5*a*s/h) bytes in 16-bit (twice in fp32); with TP s*h*(10 + 24/t +
@@ -96,7 +100,8 @@ class Candidate:
 
 
 def _param_tensors(cfg):
-    """(name, shape, whether it sits in a LayerNorm) of each trainable parameter."""
+    """(name, shape, whether it sits in a LayerNorm, whether autocast casts it: a
+    Linear's or Conv2d's) of each trainable parameter."""
     with torch.device("meta"):
         model = build_model(cfg)
     out = []
@@ -104,7 +109,9 @@ def _param_tensors(cfg):
         for name, p in module.named_parameters(recurse=False):
             if p.requires_grad:
                 full = f"{prefix}.{name}" if prefix else name
-                out.append((full, tuple(p.shape), isinstance(module, nn.LayerNorm)))
+                is_ln = isinstance(module, nn.LayerNorm)
+                cast = isinstance(module, (nn.Linear, nn.Conv2d))
+                out.append((full, tuple(p.shape), is_ln, cast))
     return out
 
 
@@ -231,12 +238,13 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
     ln_fp32 = cfg.AMP.LAYER_NORM_FP32
     states = optimizer_states(cfg)
     out = dict.fromkeys(("params", "grads", "optimizer", "master", "ema"), 0)
-    block_numel = stage_numel = 0
-    for name, shape, is_ln in tensors:
+    block_numel = stage_numel = autocast_numel = 0
+    for name, shape, is_ln, cast in tensors:
         if not _on_stages(name, stages, bounds):
             continue
         shape = _tp_shape(name, shape, c.tp)
         stage_numel += math.prod(shape)
+        autocast_numel += math.prod(shape) if cast else 0
         if _block_of(name) == bounds[stages[0]][0]:
             block_numel += math.prod(shape)
         n = _local_numel(shape, c.dp, c.fsdp)
@@ -265,6 +273,10 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
             out["gathered"] = int(stage_numel * 2 * compute_b)
         else:
             out["gathered"] = int(block_numel * (2 * compute_b + 4))
+    # O1's autocast caches the half-precision copy of each Linear / Conv2d weight
+    # it casts until the autocast context ends (the forward; a pipeline's whole
+    # step): a half copy of the rank's TP-local weights, whatever FSDP shards.
+    out["autocast"] = autocast_numel * half_b if mode is AmpMode.O1 else 0
     images = cfg.TRAIN.BATCH_SIZE // c.dp // cfg.TRAIN.ACCUM_STEPS
     layers = sum(bounds[s][1] - bounds[s][0] for s in stages)
     if c.pp > 1:
@@ -364,7 +376,16 @@ def plan(cfg: CfgNode, num_gpus: int, gpu_gib: float) -> tuple[Row | None, list[
     return best, rows
 
 
-_PARTS = ("params", "grads", "optimizer", "master", "ema", "gathered", "activations")
+_PARTS = (
+    "params",
+    "grads",
+    "optimizer",
+    "master",
+    "ema",
+    "gathered",
+    "autocast",
+    "activations",
+)
 
 
 def format_plan(
@@ -374,7 +395,8 @@ def format_plan(
     fastest others that fit, then the simplest that do not (0: all rows)."""
     lines = [
         f"{name} on {num_gpus} x {gpu_gib:.3g} GiB GPUs, GiB per rank "
-        "(params / grads / optimizer / master / ema / gathered / activations = total),"
+        "(params / grads / optimizer / master / ema / gathered / autocast / activations"
+        " = total),"
         " predicted speed as a fraction of the assumed peak:"
     ]
     ranked = sorted(rows, key=lambda r: (not r.fits, -r.speed, r.memory["total"]))
