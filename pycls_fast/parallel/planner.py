@@ -25,7 +25,9 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
 - activations kept for backward, per block and image, by Korthikanti et al.
   ("Reducing Activation Recomputation in Large Transformer Models", 2022, eqs. 2-4):
   s*h*(34 + 5*a*s/h) bytes in 16-bit (twice in fp32); with TP s*h*(10 + 24/t +
-  5*a*s/(h*t)), with sequence parallelism s*h*(34 + 5*a*s/h)/t; with activation
+  5*a*s/(h*t)), with sequence parallelism s*h*(34 + 5*a*s/h)/t plus the two
+  whole-sequence inputs of the column-parallel matmuls that DTensor keeps
+  (2*s*h in the LayerNorm's output dtype, not divided by t); with activation
   checkpointing each block keeps its input (2*s*h, /t with sequence parallelism) and
   one block's activations live at a time. A pipeline's first stage keeps the
   activations of PP micro-batches in flight under 1F1B (of all of them under GPipe;
@@ -180,6 +182,12 @@ def activation_bytes(
     else:
         per_block = s * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     per_block *= scale
+    if sp:
+        # DTensor's sequence parallelism keeps the all-gathered (whole-sequence)
+        # inputs of attn_proj and linear_1 for their backward (Megatron gathers
+        # them again in backward): two s x h tensors per block, LayerNorm outputs
+        # (fp32 under autocast, half under O3). Measured by engine/dry_run.py.
+        per_block += 2 * s * h * (2 if mode is AmpMode.O3 else 4)
     kept_input = 2 * s * h * scale / (tp if sp else 1)
     per_image = n * kept_input + per_block if checkpoint else n * per_block
     return int(per_image * images)
