@@ -15,6 +15,8 @@ start of the command), which says how it is checked and why:
   check), with the launcher's world size (torchrun: --nnodes x --nproc_per_node,
   which the launch checks against NUM_GPUS; SLURM: NUM_GPUS) and the launch keys
   checked (`check_launch`): what `train_net` checks before reading data;
+- "tiny": run with tests/helpers.py's TINY model overrides appended (4 blocks),
+  the ranks and layout as written;
 - "skip": not a command of this project (installing, cloning) or one that another
   test runs (named), or one that needs the user's own files.
 
@@ -33,6 +35,7 @@ import pytest
 from pycls_fast.config import check_launch, load_cfg
 from pycls_fast.errors import UserError
 from pycls_fast.launch.processes import _match_world_size
+from tests.helpers import TINY
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ["README.md", *sorted(p.name for p in (ROOT / "docs").glob("*.md"))]
@@ -74,6 +77,9 @@ REDUCTIONS = [
     ("DISTRIBUTED.md", "MAIN_NODE=", "skip", "sets a variable inside an sbatch job"),
     ("DISTRIBUTED.md", "srun torchrun", "config", "an sbatch job of 4 nodes"),
     ("DISTRIBUTED.md", "python tools/plan_net.py", "run", "the planner, no GPU"),
+    ("DISTRIBUTED.md",
+     "python tools/plan_net.py --cfg configs/vit/ViT-22B-14.yaml --dry-run", "tiny",
+     "minutes at 22B: the same ranks and layout with a tiny ViT"),
     ("DISTRIBUTED.md", "python tools/consolidate_checkpoint.py", "skip",
      "needs a training run's checkpoint; test_checkpoint_files consolidates one"),
     ("DISTRIBUTED.md", "torchrun --standalone --nproc_per_node 2 tools/time_net.py",
@@ -223,9 +229,11 @@ def test_documented_command(doc, cmd, how, shown, tmp_path):
         return
     argv = shlex.split(cmd.split(" | ")[0])  # not the program piped into
     argv[0] = sys.executable if argv[0].endswith("python") else argv[0]
+    if how == "tiny":
+        argv += [*TINY, "VIT.NUM_LAYERS", "4"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     error = next((s for s in shown if s.startswith("error:")), None)
     if error:
