@@ -172,6 +172,7 @@ def _build_and_step(cfg: CfgNode, layout: Layout):
     y = torch.zeros(batch, dtype=torch.long)
     if parts.pipeline is not None:
         parts.pipeline.set_static_shapes(_stage_shapes(cfg, parts, batch))
+    _weak_tables()
     train_step(parts, x, y)  # the optimizer creates its state
     state["optimizer"] = _optimizer_bytes(parts.optimizer)
     tracker = LiveBytes()
@@ -186,6 +187,18 @@ def _build_and_step(cfg: CfgNode, layout: Layout):
     with unset_fake_temporarily():
         checkpoint = _checkpoint_plan(cfg, parts)
     return measured, checkpoint
+
+
+def _weak_tables() -> None:
+    """Gives the active dry-run FakeTensorMode back its weak tables (see
+    `_StrongIds`): once the model is built nothing swaps parameters, and the
+    strong tables would keep every tensor they see alive (an activation the
+    checkpointing frees would stay counted)."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    converter = _active_fake_mode().fake_tensor_converter.meta_converter
+    converter.tensor_memo = weakref.WeakValueDictionary()
+    converter.describer.lookup_tensor = WeakIdKeyDictionary()
 
 
 def _bytes(tensors) -> int:

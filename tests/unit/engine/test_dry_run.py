@@ -6,11 +6,20 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from pycls_fast.config import load_cfg
-from pycls_fast.engine.dry_run import dry_run, format_report
+from pycls_fast.engine.dry_run import (
+    LiveBytes,
+    _fake_mode,
+    _weak_tables,
+    dry_run,
+    format_report,
+)
 from pycls_fast.errors import UserError
+from pycls_fast.models import build_model
+from pycls_fast.parallel.data_parallel import apply_activation_checkpointing
 from tests.helpers import TINY
 
 CFG = "configs/vit/ViT-22B-14.yaml"  # AMP bf16, AdamW, an EMA, FSDP
@@ -40,6 +49,36 @@ def test_dry_run_rank_state_matches_planner():
     assert f"dry run of rank {rank} of 8" in text and "fits in 90% of 80 GiB" in text
     with pytest.raises(UserError, match="one dry run per process"):
         dry_run(cfg, 1)
+
+
+def _step_bytes(model, checkpoint):
+    """(bytes live after the forward, peak) of one forward and backward."""
+    if checkpoint:
+        apply_activation_checkpointing(model)
+    x = torch.ones(4, 3, 32, 32)
+    meter = LiveBytes()
+    with meter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        after_forward = meter.live
+        y.float().sum().backward()
+    return after_forward, meter.peak
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_fake_tensors_count_what_real_ones_hold(checkpoint):
+    """The dry run's fake mode holds exactly the bytes real tensors hold through a
+    step, also with activation checkpointing (which frees what the forward made:
+    a table that kept fake tensors alive would count them)."""
+    cfg = load_cfg(CFG, [*TINY, "VIT.ATTENTION", "sdpa", "VIT.NUM_LAYERS", "4"])
+    real = _step_bytes(build_model(cfg), checkpoint)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    with _fake_mode():
+        model.to_empty(device="cpu")
+        _weak_tables()
+        fake = _step_bytes(model, checkpoint)
+    assert fake == real and real[0] > 0
 
 
 def test_plan_net_dry_run_command():
