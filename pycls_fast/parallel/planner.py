@@ -24,11 +24,14 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
   (measured by engine/dry_run.py);
 - activations kept for backward, per block and image, by Korthikanti et al.
   ("Reducing Activation Recomputation in Large Transformer Models", 2022, eqs. 2-4):
-  s*h*(34 + 5*a*s/h) bytes in 16-bit (twice in fp32); with TP s*h*(10 + 24/t +
-  5*a*s/(h*t)), with sequence parallelism s*h*(34 + 5*a*s/h)/t plus the two
-  whole-sequence inputs of the column-parallel matmuls that DTensor keeps
+  s*h*(34 + 5*a*s/h) bytes in 16-bit (twice in fp32), the 5*a*s/h of the
+  attention matrix only where the kernel keeps one (VIT.ATTENTION as resolved on
+  CUDA: 'explicit' or 'sdpa_math'; SDPA's fused kernels do not); with TP
+  s*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism s*h*(34 + 5*a*s/h)/t
+  plus the two whole-sequence inputs of the column-parallel matmuls that DTensor keeps
   (2*s*h in the LayerNorm's output dtype, not divided by t); with activation
-  checkpointing each block keeps its input (2*s*h, /t with sequence parallelism) and
+  checkpointing each block keeps its input (s*h in the residual stream's dtype:
+  fp32 under fp32 and O1, half under O2 / O3; /t with sequence parallelism) and
   one block's activations live at a time. A pipeline's first stage keeps the
   activations of PP micro-batches in flight under 1F1B (of all of them under GPipe;
   1 + (PP-1)/(2*PP) times PP under interleaved 1F1B with 2 stages per rank).
@@ -59,6 +62,7 @@ from pycls_fast.components.precision import AmpMode, resolve_amp
 from pycls_fast.config import get_cfg, with_overrides
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
+from pycls_fast.models.attention import resolve_kernel
 from pycls_fast.parallel.pipeline import stage_bounds, stages_per_rank
 from pycls_fast.parallel.tensor_parallel import (
     COLUMN_SPLIT,
@@ -174,7 +178,11 @@ def activation_bytes(
     the precision of the AMP mode."""
     s, h, a = _seq_len(cfg), cfg.VIT.HIDDEN_DIM, cfg.VIT.NUM_HEADS
     n = layers or cfg.VIT.NUM_LAYERS
-    mode, _ = resolve_amp(cfg)
+    mode, half = resolve_amp(cfg)
+    if resolve_kernel(cfg.VIT.ATTENTION, "cuda", half) not in ("explicit", "sdpa_math"):
+        # SDPA's fused kernels (flash, memory-efficient, cuDNN) keep the output and
+        # the log-sum-exp, not the (a x s x s) attention matrix: no 5*a*s/h term.
+        a = 0
     scale = 2.0 if mode is AmpMode.FP32 else 1.0
     sp = sequence_parallel(cfg, tp)
     if sp:
@@ -188,7 +196,10 @@ def activation_bytes(
         # them again in backward): two s x h tensors per block, LayerNorm outputs
         # (fp32 under autocast, half under O3). Measured by engine/dry_run.py.
         per_block += 2 * s * h * (2 if mode is AmpMode.O3 else 4)
-    kept_input = 2 * s * h * scale / (tp if sp else 1)
+    # The residual stream is fp32 under fp32 and O1 (autocast's adds of fp32
+    # inputs), half under O2 / O3.
+    stream_b = 4 if mode in (AmpMode.FP32, AmpMode.O1) else 2
+    kept_input = s * h * stream_b / (tp if sp else 1)
     per_image = n * kept_input + per_block if checkpoint else n * per_block
     return int(per_image * images)
 
