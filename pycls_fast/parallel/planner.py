@@ -29,7 +29,7 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
   CUDA: 'explicit' or 'sdpa_math'; SDPA's fused kernels do not); with TP
   s*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism s*h*(34 + 5*a*s/h)/t
   plus the two whole-sequence inputs of the column-parallel matmuls that DTensor keeps
-  (2*s*h in the LayerNorm's output dtype, not divided by t); with activation
+  (2*s*h in the compute dtype, not divided by t); with activation
   checkpointing each block keeps its input (s*h in the residual stream's dtype:
   fp32 under fp32 and O1, half under O2 / O3; /t with sequence parallelism) and
   one block's activations live at a time. A pipeline's first stage keeps the
@@ -192,10 +192,10 @@ def activation_bytes(
     per_block *= scale
     if sp:
         # DTensor's sequence parallelism keeps the all-gathered (whole-sequence)
-        # inputs of attn_proj and linear_1 for their backward (Megatron gathers
-        # them again in backward): two s x h tensors per block, LayerNorm outputs
-        # (fp32 under autocast, half under O3). Measured by engine/dry_run.py.
-        per_block += 2 * s * h * (2 if mode is AmpMode.O3 else 4)
+        # inputs of attn_proj and linear_1 for their backward, as the matmuls'
+        # compute dtype (Megatron gathers them again in backward): two s x h
+        # tensors per block. Measured by engine/dry_run.py.
+        per_block += 2 * s * h * (4 if mode is AmpMode.FP32 else 2)
     # The residual stream is fp32 under fp32 and O1 (autocast's adds of fp32
     # inputs), half under O2 / O3.
     stream_b = 4 if mode in (AmpMode.FP32, AmpMode.O1) else 2
