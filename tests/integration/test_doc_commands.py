@@ -13,7 +13,7 @@ start of the command), which says how it is checked and why:
 - "config": a training or evaluation command of a cluster, real data or a GPU:
   its config file and overrides are loaded at their full size (every load-time
   check), with the launcher's world size (torchrun: --nnodes x --nproc_per_node,
-  which the launch checks against NUM_GPUS; SLURM: NUM_GPUS) and the launch keys
+  which replaces NUM_GPUS; SLURM: NUM_GPUS) and the launch keys
   checked (`check_launch`): what `train_net` checks before reading data;
 - "tiny": run with tests/helpers.py's TINY model overrides appended (4 blocks),
   the ranks and layout as written;
@@ -34,7 +34,6 @@ import pytest
 
 from pycls_fast.config import check_launch, load_cfg
 from pycls_fast.errors import UserError
-from pycls_fast.launch.processes import _match_world_size
 from tests.helpers import TINY
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -49,10 +48,6 @@ COMMAND_WORDS = (
     "srun",
     "SWEEP=",
     "MAIN_NODE=",
-)
-DEFECT_2 = (
-    "issue 27 defect 2: torchrun's world size is refused when it differs from the "
-    "config's NUM_GPUS"
 )
 
 # (document, start of the command, how, why). Keep it sorted by document.
@@ -112,11 +107,9 @@ REDUCTIONS = [
 ]  # fmt: skip
 
 # Commands that fail today because of a defect being fixed elsewhere (strict xfail:
-# the fix makes them pass, and then this entry must go).
-KNOWN_FAILURES = {
-    ("DISTRIBUTED.md", "torchrun --nnodes 4"): DEFECT_2,
-    ("DISTRIBUTED.md", "srun torchrun"): DEFECT_2,
-}
+# the fix makes them pass, and then their entry must go). Issue 27's defect 2 (the
+# launcher's world size against NUM_GPUS) is fixed: none now.
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
 
 def _commands():
@@ -213,10 +206,8 @@ def _check_config(cmd):
             opts.append(args[i])
             i += 1
     assert files, f"no --cfg in {cmd}"
-    cfg = load_cfg(files[0], opts)
-    if world is not None:
-        cfg = _match_world_size(cfg, world)
-    check_launch(cfg)
+    # As the tools load it: at the launcher's world size (launch/cli.py).
+    check_launch(load_cfg(files[0], opts, world))
 
 
 @pytest.mark.parametrize("doc,cmd,how,shown", _params())

@@ -82,13 +82,9 @@ def _wait_for_iterations(out_dir, n, procs, timeout=240):
     raise AssertionError(f"no {n} iterations in {timeout} s")
 
 
-# NUM_GPUS 2 with PP: the world size; left at 1 (DISTRIBUTED.md's rule under
-# torchrun) the load-time layout check refuses it: issue 27 defect 2, whose strict
-# xfail is test_pp_under_torchrun_with_num_gpus_left_at_1 below.
+# NUM_GPUS left at 1 under torchrun: the launcher's world size replaces it.
 @pytest.mark.parametrize(
-    "layout",
-    [["FSDP.ENABLED", "True"], ["PARALLEL.PP", "2", "NUM_GPUS", "2"]],
-    ids=["fsdp", "pp"],
+    "layout", [["FSDP.ENABLED", "True"], ["PARALLEL.PP", "2"]], ids=["fsdp", "pp"]
 )
 def test_two_nodes_stop_checkpoint_and_resume_as_one_process(digits, tmp_path, layout):
     out_dir = tmp_path / "out"  # shared by both nodes
@@ -119,7 +115,7 @@ def test_two_nodes_stop_checkpoint_and_resume_as_one_process(digits, tmp_path, l
         )
     # One process resumes the two-node checkpoint (another layout) and finishes.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = ["PARALLEL.PP", "1", "NUM_GPUS", "1"] if "PARALLEL.PP" in layout else layout
+    one = ["PARALLEL.PP", "1"] if "PARALLEL.PP" in layout else layout
     resumed = subprocess.run(
         [sys.executable, TRAIN_NET, "--cfg", DIGITS_CFG,
          *_opts(digits, out_dir, *one)],
@@ -128,16 +124,3 @@ def test_two_nodes_stop_checkpoint_and_resume_as_one_process(digits, tmp_path, l
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     text = (out_dir / "stdout.log").read_text()
     assert "resumed from" in text
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 27 defect 2: the layout check (NUM_GPUS a multiple of TP x PP) runs "
-    "at load time, before torchrun's world size replaces NUM_GPUS",
-)
-def test_pp_under_torchrun_with_num_gpus_left_at_1():
-    from pycls_fast.config import load_cfg
-    from pycls_fast.launch.processes import _match_world_size
-
-    cfg = load_cfg(DIGITS_CFG, ["PARALLEL.PP", "2"])  # NUM_GPUS 1, as documented
-    assert _match_world_size(cfg, 2).NUM_GPUS == 2
