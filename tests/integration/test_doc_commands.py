@@ -104,7 +104,8 @@ REDUCTIONS = [
     ("PERFORMANCE.md", "python tools/train_net.py", "config", "a profile on a GPU"),
     ("RECIPES.md", "python tools/train_net.py", "config", "ImageNet on GPUs"),
     ("RECIPES.md", "make distill-demo", "skip", "minutes; test_distill_demo"),
-    ("RECIPES.md", "python tools/test_net.py", "config", "ImageNet's runs"),
+    ("RECIPES.md", "python tools/test_net.py --run", "skip",
+     "evaluates a training run's folder on ImageNet; test_evaluate_multi"),
     ("SWEEPS.md", "python tools/prepare_digits.py", "skip", "test_sweep's data"),
     ("SWEEPS.md", "SWEEP=", "skip", "sets a variable"),
     ("SWEEPS.md", "python tools/sweep_", "skip", "test_sweep runs the sweep"),
@@ -202,8 +203,6 @@ def _check_config(cmd):
         if args[i] == "--cfg":
             files.append(args[i + 1])
             i += 2
-        elif args[i] == "--run":
-            pytest.skip("evaluates a run folder")  # pragma: no cover
         elif args[i].startswith("--"):
             i += 1 if args[i] in ("--json", "--best", "--summary") else 2
         else:
