@@ -8,6 +8,12 @@ state, master weights, EMA, gathered weights, activations) and step speed of
 training the config, and the fastest layout that fits (pycls_fast/parallel/planner.py;
 PARALLEL.AUTO makes train_net use it). TRAIN.BATCH_SIZE is the global batch, as in
 training. --all lists every candidate.
+
+--dry-run answers "will this job start, and fit?" for the config's own layout
+(NUM_GPUS, PARALLEL.*, FSDP.*): this process plays one rank (--rank) of the job
+with a fake process group and fake tensors and runs the real construction,
+parallelization, optimizer, two training steps and the checkpoint's save plan,
+then prints that rank's memory next to the planner's (pycls_fast/engine/dry_run.py).
 """
 
 import argparse
@@ -27,6 +33,12 @@ def main():
     )
     parser.add_argument("--gpu-gib", type=float, default=80.0)
     parser.add_argument("--all", action="store_true", help="every candidate layout")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run one rank of the config's NUM_GPUS-rank job with fake tensors",
+    )
+    parser.add_argument("--rank", type=int, default=0, help="the rank --dry-run plays")
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE overrides")
     args = parser.parse_args()
     try:
@@ -38,6 +50,12 @@ def main():
     for path in args.cfg_file:
         cfg = load_cfg(path, args.opts or [])
         name = os.path.splitext(os.path.basename(path))[0]
+        if args.dry_run:
+            from pycls_fast.engine.dry_run import dry_run, format_report
+
+            report = dry_run(cfg, args.rank)
+            print(format_report(name, args.gpu_gib, report))
+            continue
         for gpus in args.gpus:
             if gpus > cfg.TRAIN.BATCH_SIZE:
                 raise UserError(

@@ -80,6 +80,23 @@ def _read_metadata(path):
     return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
 
 
+def state_to_save(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Module | None
+) -> dict[str, Any]:
+    """The tensors of a sharded checkpoint, as DCP saves them: "model", "optim"
+    (keyed by parameter name) and "ema" state dicts of this rank's shards."""
+    tp = tp_size(model)
+    state = {
+        "model": to_checkpoint(get_model_state_dict(model), tp),
+        "optim": to_checkpoint(
+            get_optimizer_state_dict(model, optimizer, options=_FLAT), tp
+        ),
+    }
+    if ema is not None:
+        state["ema"] = to_checkpoint(get_model_state_dict(ema), tp)
+    return state
+
+
 def save(
     path: str,
     model: nn.Module,
@@ -99,19 +116,11 @@ def save(
         # node-local; on a shared one several nodes may race to remove it).
         shutil.rmtree(tmp, ignore_errors=True)
     distributed.barrier()
-    tp = tp_size(model)
-    state = {
-        "model": to_checkpoint(get_model_state_dict(model), tp),
-        "optim": to_checkpoint(
-            get_optimizer_state_dict(model, optimizer, options=_FLAT), tp
-        ),
-        "extra": {
-            "meta": _blob({**meta, "world_size": distributed.world_size()}),
-            f"rank_{distributed.rank()}": _blob(rank_state),
-        },
+    state = state_to_save(model, optimizer, ema)
+    state["extra"] = {
+        "meta": _blob({**meta, "world_size": distributed.world_size()}),
+        f"rank_{distributed.rank()}": _blob(rank_state),
     }
-    if ema is not None:
-        state["ema"] = to_checkpoint(get_model_state_dict(ema), tp)
     dcp.save(state, checkpoint_id=tmp)
     distributed.barrier()  # every rank's shards and the metadata are on disk
     # A node whose folder rank 0 does not share (the node-local mirror of a remote

@@ -185,6 +185,8 @@ class PipelineRunner:
         self.is_last = self.n_stages - 1 in self.indices
         self.n_micro = pp_microbatches(cfg)
         self._loss_fn = None
+        # stage index -> PipelineStage keyword arguments of its static shapes.
+        self._static = None
         self._train = self._schedule(self._loss) if train else None
         # One schedule per padded batch size: a stage infers its activations'
         # shapes at its first call and keeps them.
@@ -193,11 +195,26 @@ class PipelineRunner:
     def _loss(self, output, target):
         return self._loss_fn(output, target)
 
+    def set_static_shapes(self, shapes) -> None:
+        """Gives the training schedule's stages their example input and output
+        tensors instead of inferring them at the first step (which a fake process
+        group cannot: engine/dry_run.py). `shapes(stage index)`: PipelineStage's
+        input_args, output_args, input_grads, output_grads."""
+        self._static = shapes
+        self._train = self._schedule(self._loss)
+
     def _schedule(self, loss_fn):
         from torch.distributed import pipelining as pl
 
         stages = [
-            pl.PipelineStage(m, i, self.n_stages, self.device, group=self.group)
+            pl.PipelineStage(
+                m,
+                i,
+                self.n_stages,
+                self.device,
+                group=self.group,
+                **(self._static(i) if self._static and loss_fn else {}),
+            )
             for i, m in zip(self.indices, self.modules)
         ]
         kind = self.cfg.PARALLEL.PP_SCHEDULE

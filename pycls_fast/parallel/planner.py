@@ -18,11 +18,20 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
   prefetched, in the compute dtype) and one block's unsharded gradients; in a
   pipeline, the whole stage's weights and gradients unsharded (torch's PipelineStage
   gathers an FSDP stage once for all its micro-batches and reduces after the last);
+- under AMP O1, autocast's cache of the half-precision casts of the Linear and
+  Conv2d weights, held until the autocast context ends (the forward; a pipeline's
+  whole step): a half copy of the rank's TP-local stage weights, FSDP or not
+  (measured by engine/dry_run.py);
 - activations kept for backward, per block and image, by Korthikanti et al.
   ("Reducing Activation Recomputation in Large Transformer Models", 2022, eqs. 2-4):
-  s*h*(34 + 5*a*s/h) bytes in 16-bit (twice in fp32); with TP s*h*(10 + 24/t +
-  5*a*s/(h*t)), with sequence parallelism s*h*(34 + 5*a*s/h)/t; with activation
-  checkpointing each block keeps its input (2*s*h, /t with sequence parallelism) and
+  s*h*(34 + 5*a*s/h) bytes in 16-bit (twice in fp32), the 5*a*s/h of the
+  attention matrix only where the kernel keeps one (VIT.ATTENTION as resolved on
+  CUDA: 'explicit' or 'sdpa_math'; SDPA's fused kernels do not); with TP
+  s*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism s*h*(34 + 5*a*s/h)/t
+  plus the two whole-sequence inputs of the column-parallel matmuls that DTensor keeps
+  (2*s*h in the compute dtype, not divided by t); with activation
+  checkpointing each block keeps its input (s*h in the residual stream's dtype:
+  fp32 under fp32 and O1, half under O2 / O3; /t with sequence parallelism) and
   one block's activations live at a time. A pipeline's first stage keeps the
   activations of PP micro-batches in flight under 1F1B (of all of them under GPipe;
   1 + (PP-1)/(2*PP) times PP under interleaved 1F1B with 2 stages per rank).
@@ -53,6 +62,7 @@ from pycls_fast.components.precision import AmpMode, resolve_amp
 from pycls_fast.config import get_cfg, with_overrides
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
+from pycls_fast.models.attention import resolve_kernel
 from pycls_fast.parallel.pipeline import stage_bounds, stages_per_rank
 from pycls_fast.parallel.tensor_parallel import (
     COLUMN_SPLIT,
@@ -96,7 +106,8 @@ class Candidate:
 
 
 def _param_tensors(cfg):
-    """(name, shape, whether it sits in a LayerNorm) of each trainable parameter."""
+    """(name, shape, whether it sits in a LayerNorm, whether autocast casts it: a
+    Linear's or Conv2d's) of each trainable parameter."""
     with torch.device("meta"):
         model = build_model(cfg)
     out = []
@@ -104,7 +115,9 @@ def _param_tensors(cfg):
         for name, p in module.named_parameters(recurse=False):
             if p.requires_grad:
                 full = f"{prefix}.{name}" if prefix else name
-                out.append((full, tuple(p.shape), isinstance(module, nn.LayerNorm)))
+                is_ln = isinstance(module, nn.LayerNorm)
+                cast = isinstance(module, (nn.Linear, nn.Conv2d))
+                out.append((full, tuple(p.shape), is_ln, cast))
     return out
 
 
@@ -165,7 +178,11 @@ def activation_bytes(
     the precision of the AMP mode."""
     s, h, a = _seq_len(cfg), cfg.VIT.HIDDEN_DIM, cfg.VIT.NUM_HEADS
     n = layers or cfg.VIT.NUM_LAYERS
-    mode, _ = resolve_amp(cfg)
+    mode, half = resolve_amp(cfg)
+    if resolve_kernel(cfg.VIT.ATTENTION, "cuda", half) not in ("explicit", "sdpa_math"):
+        # SDPA's fused kernels (flash, memory-efficient, cuDNN) keep the output and
+        # the log-sum-exp, not the (a x s x s) attention matrix: no 5*a*s/h term.
+        a = 0
     scale = 2.0 if mode is AmpMode.FP32 else 1.0
     sp = sequence_parallel(cfg, tp)
     if sp:
@@ -173,7 +190,16 @@ def activation_bytes(
     else:
         per_block = s * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     per_block *= scale
-    kept_input = 2 * s * h * scale / (tp if sp else 1)
+    if sp:
+        # DTensor's sequence parallelism keeps the all-gathered (whole-sequence)
+        # inputs of attn_proj and linear_1 for their backward, as the matmuls'
+        # compute dtype (Megatron gathers them again in backward): two s x h
+        # tensors per block. Measured by engine/dry_run.py.
+        per_block += 2 * s * h * (4 if mode is AmpMode.FP32 else 2)
+    # The residual stream is fp32 under fp32 and O1 (autocast's adds of fp32
+    # inputs), half under O2 / O3.
+    stream_b = 4 if mode in (AmpMode.FP32, AmpMode.O1) else 2
+    kept_input = s * h * stream_b / (tp if sp else 1)
     per_image = n * kept_input + per_block if checkpoint else n * per_block
     return int(per_image * images)
 
@@ -214,6 +240,15 @@ def optimizer_states(cfg: CfgNode) -> int:
     return _states_of(cfg.OPTIM.OPTIMIZER, cfg.OPTIM.MOMENTUM)
 
 
+def rank_memory(cfg: CfgNode, c: Candidate, pp_rank: int, tensors=None) -> dict:
+    """Bytes by part (as `per_rank_memory`) of the ranks of pipeline rank `pp_rank`
+    in candidate `c` (tools/plan_net.py --dry-run compares them with a rank's)."""
+    tensors = tensors or _param_tensors(cfg)
+    per_rank = stages_per_rank(cfg) if c.pp > 1 else 1
+    bounds = stage_bounds(cfg, c.pp * per_rank)
+    return _stage_memory(cfg, c, pp_rank, bounds, tensors)
+
+
 def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, int]:
     """The bytes of pipeline rank `rank` (its stages rank and rank + PP)."""
     stages = list(range(rank, len(bounds), c.pp))
@@ -222,12 +257,13 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
     ln_fp32 = cfg.AMP.LAYER_NORM_FP32
     states = optimizer_states(cfg)
     out = dict.fromkeys(("params", "grads", "optimizer", "master", "ema"), 0)
-    block_numel = stage_numel = 0
-    for name, shape, is_ln in tensors:
+    block_numel = stage_numel = autocast_numel = 0
+    for name, shape, is_ln, cast in tensors:
         if not _on_stages(name, stages, bounds):
             continue
         shape = _tp_shape(name, shape, c.tp)
         stage_numel += math.prod(shape)
+        autocast_numel += math.prod(shape) if cast else 0
         if _block_of(name) == bounds[stages[0]][0]:
             block_numel += math.prod(shape)
         n = _local_numel(shape, c.dp, c.fsdp)
@@ -256,6 +292,10 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
             out["gathered"] = int(stage_numel * 2 * compute_b)
         else:
             out["gathered"] = int(block_numel * (2 * compute_b + 4))
+    # O1's autocast caches the half-precision copy of each Linear / Conv2d weight
+    # it casts until the autocast context ends (the forward; a pipeline's whole
+    # step): a half copy of the rank's TP-local weights, whatever FSDP shards.
+    out["autocast"] = autocast_numel * half_b if mode is AmpMode.O1 else 0
     images = cfg.TRAIN.BATCH_SIZE // c.dp // cfg.TRAIN.ACCUM_STEPS
     layers = sum(bounds[s][1] - bounds[s][0] for s in stages)
     if c.pp > 1:
@@ -355,7 +395,16 @@ def plan(cfg: CfgNode, num_gpus: int, gpu_gib: float) -> tuple[Row | None, list[
     return best, rows
 
 
-_PARTS = ("params", "grads", "optimizer", "master", "ema", "gathered", "activations")
+_PARTS = (
+    "params",
+    "grads",
+    "optimizer",
+    "master",
+    "ema",
+    "gathered",
+    "autocast",
+    "activations",
+)
 
 
 def format_plan(
@@ -365,7 +414,8 @@ def format_plan(
     fastest others that fit, then the simplest that do not (0: all rows)."""
     lines = [
         f"{name} on {num_gpus} x {gpu_gib:.3g} GiB GPUs, GiB per rank "
-        "(params / grads / optimizer / master / ema / gathered / activations = total),"
+        "(params / grads / optimizer / master / ema / gathered / autocast / activations"
+        " = total),"
         " predicted speed as a fraction of the assumed peak:"
     ]
     ranked = sorted(rows, key=lambda r: (not r.fits, -r.speed, r.memory["total"]))

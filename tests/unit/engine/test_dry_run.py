@@ -1,0 +1,101 @@
+"""The dry run (engine/dry_run.py): one rank of an 8-rank PP x FSDP x TP job built
+and stepped with fake tensors and a fake process group, its kept state measured
+against the planner's exact per-tensor prediction and the checkpoint's save plan."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pycls_fast.config import load_cfg
+from pycls_fast.engine.dry_run import (
+    LiveBytes,
+    _fake_mode,
+    _weak_tables,
+    dry_run,
+    format_report,
+)
+from pycls_fast.errors import UserError
+from pycls_fast.models import build_model
+from pycls_fast.parallel.data_parallel import apply_activation_checkpointing
+from tests.helpers import TINY
+
+CFG = "configs/vit/ViT-22B-14.yaml"  # AMP bf16, AdamW, an EMA, FSDP
+LAYOUT = ["NUM_GPUS", "8", "PARALLEL.PP", "2", "PARALLEL.TP", "2"]
+SMALL = [*TINY, "VIT.NUM_LAYERS", "4", "TRAIN.BATCH_SIZE", "32"]
+
+
+def test_dry_run_rank_state_matches_planner():
+    rank = 0  # the first stage (the last one: the command's test below)
+    cfg = load_cfg(CFG, [*SMALL, *LAYOUT])
+    report = dry_run(cfg, rank)
+    assert not dist.is_initialized()  # the fake group is gone
+    assert report.coords == (0, 0, 0)
+    m, p = report.measured, report.predicted
+    # The kept state is exact per tensor in the planner: equal bytes.
+    for part in ("params", "ema", "master", "optimizer"):
+        assert m[part] == p[part], part
+    assert m["params"] > 0 and m["optimizer"] == 2 * m["params"]  # AdamW, fp32
+    # A step holds activations and gradients on top of the state.
+    assert m["step"] > p["grads"]
+    assert m["total"] == m["params"] + m["ema"] + m["optimizer"] + m["step"]
+    # The checkpoint: this rank writes its shards of the model, the EMA and the
+    # optimizer state, plus a 4-byte step count per parameter tensor (AdamW's).
+    extra = report.checkpoint["bytes"] - (m["params"] + m["ema"] + m["optimizer"])
+    assert 0 <= extra <= 8 * report.checkpoint["items"]
+    text = format_report("tiny", 80, report)
+    assert f"dry run of rank {rank} of 8" in text and "fits in 90% of 80 GiB" in text
+    with pytest.raises(UserError, match="one dry run per process"):
+        dry_run(cfg, 1)
+
+
+def _step_bytes(model, checkpoint):
+    """(bytes live after the forward, peak) of one forward and backward."""
+    if checkpoint:
+        apply_activation_checkpointing(model)
+    x = torch.ones(4, 3, 32, 32)
+    meter = LiveBytes()
+    with meter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        after_forward = meter.live
+        y.float().sum().backward()
+    return after_forward, meter.peak
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_fake_tensors_count_what_real_ones_hold(checkpoint):
+    """The dry run's fake mode holds exactly the bytes real tensors hold through a
+    step, also with activation checkpointing (which frees what the forward made:
+    a table that kept fake tensors alive would count them)."""
+    cfg = load_cfg(CFG, [*TINY, "VIT.ATTENTION", "sdpa", "VIT.NUM_LAYERS", "4"])
+    real = _step_bytes(build_model(cfg), checkpoint)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    with _fake_mode():
+        model.to_empty(device="cpu")
+        _weak_tables()
+        fake = _step_bytes(model, checkpoint)
+    assert fake == real and real[0] > 0
+
+
+def test_plan_net_dry_run_command():
+    cmd = [sys.executable, "tools/plan_net.py", "--cfg", CFG, "--dry-run"]
+    cmd += ["--rank", "7", *SMALL, *LAYOUT]  # the last stage
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "dry run of rank 7 of 8" in out.stdout
+    assert "this rank: pp 1, dp 1, tp 1" in out.stdout
+    # The kept state (params, EMA, master, optimizer) equals the planner's.
+    rows = [ln.split() for ln in out.stdout.splitlines()]
+    state = [r for r in rows if r and r[0] in ("params", "ema", "optimizer")]
+    assert len(state) == 3 and all(r[1] == r[2] for r in state)
+    bad = subprocess.run(
+        [*cmd[:5], "--rank", "8", *SMALL, *LAYOUT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "--rank 8" in bad.stderr
