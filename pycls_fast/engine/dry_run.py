@@ -40,6 +40,7 @@ from functools import wraps
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from yacs.config import CfgNode
@@ -154,8 +155,7 @@ def dry_run(cfg: CfgNode, rank: int = 0) -> DryRunReport:
 def _build_and_step(cfg: CfgNode, layout: Layout):
     """(measured bytes by part, the checkpoint plan) of this rank, under the fake
     mode and process group."""
-    with torch.device("meta"):
-        model = build_model(cfg)
+    model = _meta_model(cfg)
     # The meta model's parameters become fake CPU tensors (no data, no memory);
     # the initialization is skipped (its values do not change memory).
     model.to_empty(device="cpu")
@@ -180,8 +180,6 @@ def _build_and_step(cfg: CfgNode, layout: Layout):
         train_step(parts, x, y)
     measured = {**state, "step": tracker.peak, "total": sum(state.values())}
     measured["total"] += tracker.peak
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     # DTensor's shard arithmetic makes small index tensors: real ones (fake ones
     # would hide their values); the model's tensors stay fake.
     with unset_fake_temporarily():
@@ -216,6 +214,14 @@ def _optimizer_bytes(optimizer) -> int:
     return _bytes(tensors)
 
 
+def _meta_model(cfg: CfgNode):
+    """The model on the meta device, built outside the fake mode: it draws its init
+    seed from torch's real generator (models/vit.py `init_seed`), a value a fake
+    tensor does not have."""
+    with unset_fake_temporarily(), torch.device("meta"):
+        return build_model(cfg)
+
+
 def _stage_shapes(cfg: CfgNode, parts, batch: int):
     """Example tensors of a pipeline stage's input and output per stage index
     (static metadata: a fake process group carries no shapes between stages):
@@ -224,8 +230,7 @@ def _stage_shapes(cfg: CfgNode, parts, batch: int):
     of the model under the run's precision."""
     micro = batch // pp_microbatches(cfg)
     mode, half = resolve_amp(cfg)
-    with torch.device("meta"):
-        whole = build_model(cfg)
+    whole = _meta_model(cfg)
     whole.to_empty(device="cpu")  # fake tensors: no memory
     if not (fsdp_enabled(cfg) and mode is AmpMode.O2):
         prepare_model(whole, mode, half, cfg.AMP.LAYER_NORM_FP32)
