@@ -554,6 +554,13 @@ _key("TRAIN.CHECKPOINT_KEEP", 0, ge=0)
 # not the EMA); checkpoints/best.json names it with its epoch and top1_err
 _key("TRAIN.CHECKPOINT_KEEP_BEST", False)
 
+# pycls_fast: write checkpoints beside training: a save stalls training only while
+# the state is copied to host memory (pinned on a GPU), then a background thread
+# (single files) or DCP's async_save (FSDP) writes it; a new save waits for the
+# previous write, and the run does not end before its last write is complete
+# (docs/RELIABILITY.md). Stop-signal checkpoints are always written synchronously
+_key("TRAIN.CHECKPOINT_ASYNC", False)
+
 # Resume training from the newest complete checkpoint in OUT_DIR
 _key("TRAIN.AUTO_RESUME", True)
 
@@ -997,6 +1004,11 @@ _key("LOG_PERIOD", 10, gt=0)
 # OUT_DIR/epoch_stats.csv (a row per epoch record) is always written
 _key("LOG_TENSORBOARD", False)
 
+# pycls_fast: also send the config, every stats record, the plots and the final
+# metrics to a Weights & Biases run (main process only; needs the wandb package);
+# the run's id is kept in OUT_DIR/wandb_id, so a resumed run continues it
+_key("LOG_WANDB", False)
+
 # Distributed backend ('nccl' on GPUs; CPU runs always use 'gloo')
 _key("DIST_BACKEND", "nccl", choices=["nccl", "gloo", "mpi", "ucc"])
 
@@ -1011,6 +1023,36 @@ _key("PORT", 0)
 
 # Local cache for weights referred to by URL (pycls; pycls_fast never downloads)
 _key("DOWNLOAD_CACHE", "/tmp/pycls-download-cache")
+
+
+# --------------------------------- Weights & Biases --------------------------------- #
+# pycls_fast: the W&B run of LOG_WANDB True (docs/GETTING_STARTED.md)
+_C.WANDB = CfgNode()
+
+# Project of the run
+_key("WANDB.PROJECT", "pycls_fast")
+
+# Entity (user or team) owning the run ('': the logged-in user's default)
+_key("WANDB.ENTITY", "")
+
+# Display name of the run ('': OUT_DIR's folder name)
+_key("WANDB.NAME", "")
+
+# Tags of the run
+_key("WANDB.TAGS", [])
+
+# 'online' (sends to the server), 'offline' (writes OUT_DIR/wandb only, for
+# `wandb sync` later) or 'disabled'; the WANDB_MODE environment variable wins
+_key("WANDB.MODE", "online", choices=["online", "offline", "disabled"])
+
+
+# -------------------------------------- MFU ---------------------------------------- #
+# pycls_fast: model FLOP utilization in the train records (docs/PERFORMANCE.md, MFU)
+_C.MFU = CfgNode()
+
+# One device's dense peak TFLOP/s for the dtype in use (0: the GPU's from the table
+# of known GPUs, or on a CPU a matmul measured once and cached)
+_key("MFU.PEAK_TFLOPS", 0.0, ge=0.0)
 
 
 # ----------------------------- Accepted, not acted on ------------------------------ #

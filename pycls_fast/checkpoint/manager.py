@@ -5,17 +5,24 @@
     manager.after_iteration(epoch, done, iters, signum)  # iteration period, stop
     manager.after_epoch(epoch)                 # epoch period, last epoch
     manager.after_eval(epoch, top1_err)        # best pointer, retention
+    manager.close()                            # the last asynchronous write is done
 
 What: the model, EMA, optimizer, master weights, loss scaler, and each rank's RNG
 states (global and the device batches') and epoch meter sums, each a Stateful.
 How: one file that rank 0 writes (its `rank_states` hold every rank's own states
 under DDP), or under FSDP a sharded directory that every rank writes its part of
-(sharded.py).
+(sharded.py). With TRAIN.CHECKPOINT_ASYNC the write runs beside training
+(async_writer.py): a save waits for the previous one, stages the state to host
+memory and returns; retention and the upload of a remote OUT_DIR follow the write
+once it is complete (files: seen after any step; sharded: at the next save, the end
+of an epoch or `close()`).
 """
 
 import logging
 import os
+from contextlib import nullcontext
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 # Submodules by their full names: `from pycls_fast.checkpoint import ...` would
@@ -23,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import pycls_fast.checkpoint.files as files
 import pycls_fast.checkpoint.retention as retention
 import pycls_fast.checkpoint.sharded as sharded
+from pycls_fast.checkpoint.async_writer import FileWrite, HostStager, ShardedWrite
 from pycls_fast.checkpoint.cadence import (
     epoch_checkpoint_due,
     iteration_checkpoint,
@@ -149,6 +157,66 @@ def restore(parts, path: str):
     return state["epoch"], state["iter"]
 
 
+def _write_error(folder, error):
+    # No safety net means no training: stop rather than go on unprotected.
+    return UserError(
+        f"cannot write a checkpoint to {folder}: {error}; the previous "
+        "checkpoints are intact"
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    return str(getattr(e, "strerror", None) or e).strip().splitlines()[0]
+
+
+def start_save(parts, epoch: int, iteration: int, stager, group):
+    """Starts writing the checkpoint of (epoch, iteration) beside training (every
+    rank takes part): the state is staged to host memory by `stager` (files) or by
+    DCP (sharded, its collectives on `group`) before this returns; returns the
+    write (async_writer)."""
+    cfg = parts.cfg
+    folder = files.checkpoint_dir(cfg.OUT_DIR)
+    if sharded_checkpoints(cfg):
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(
+            folder, files.checkpoint_name(epoch, iteration, sharded.SUFFIX)
+        )
+        future = sharded.start_save(
+            path,
+            parts.trained,
+            parts.optimizer,
+            parts.ema,
+            _meta(parts, epoch, iteration),
+            _rank_state(parts),
+            process_group=group,
+        )
+        return ShardedWrite(path, future, sharded.publish)
+    state = training_state(parts, epoch, iteration)
+    if not distributed.is_main():
+        return FileWrite(None)
+    staged = stager.stage(state)
+    out_dir = cfg.OUT_DIR
+    return FileWrite(lambda: files.save_checkpoint(out_dir, staged, epoch, iteration))
+
+
+def finish_write(cfg, write) -> str | None:
+    """Every rank: waits for an asynchronous write to complete; returns its path on
+    rank 0; UserError on every rank when it failed."""
+    folder = files.checkpoint_dir(cfg.OUT_DIR)
+    error, path = None, None
+    try:
+        path = write.wait()
+    except (OSError, CheckpointException) as e:
+        error = _first_line(e)
+    if not sharded_checkpoints(cfg):
+        error = distributed.broadcast_object(error)
+    if error:
+        raise _write_error(folder, error)
+    if distributed.is_main():
+        logger.info("wrote checkpoint %s (asynchronously)", path)
+    return path if distributed.is_main() else None
+
+
 def save(parts, epoch: int, iteration: int):
     """Writes a checkpoint (every rank takes part); returns its path on rank 0.
 
@@ -176,15 +244,11 @@ def save(parts, epoch: int, iteration: int):
             if distributed.is_main():
                 path = files.save_checkpoint(cfg.OUT_DIR, state, epoch, iteration)
     except (OSError, CheckpointException) as e:
-        error = str(getattr(e, "strerror", None) or e).strip().splitlines()[0]
+        error = _first_line(e)
     if not sharded_checkpoints(cfg):
         error = distributed.broadcast_object(error)  # rank 0 wrote, all ranks know
     if error:
-        # No safety net means no training: stop rather than go on unprotected.
-        raise UserError(
-            f"cannot write a checkpoint to {folder}: {error}; the previous "
-            "checkpoints are intact"
-        )
+        raise _write_error(folder, error)
     if distributed.is_main():
         logger.info("wrote checkpoint %s", path)
     return path if distributed.is_main() else None
@@ -193,14 +257,20 @@ def save(parts, epoch: int, iteration: int):
 class CheckpointManager:
     """Saves and restores the checkpoints of one run (every rank makes one)."""
 
-    def __init__(self, parts, before_save=None, after_save=None):
+    def __init__(self, parts, before_save=None, after_save=None, stall_timer=None):
         """`before_save(epoch, iteration)`: called before the checkpoint of that
         position is written (it may raise to prevent it); `after_save(path)`: on
         every rank once it is written and retention applied (`path` None on ranks
-        other than 0)."""
+        other than 0); `stall_timer()`: a context manager around the time a save
+        keeps the caller (goodput's checkpoint stalls)."""
         self.parts = parts
         self.before_save = before_save
         self.after_save = after_save
+        self.stall_timer = stall_timer or nullcontext
+        self.asynchronous = parts.cfg.TRAIN.CHECKPOINT_ASYNC
+        self.pending = None  # the asynchronous write in flight
+        self._stager = None
+        self._group = None
         self.cfg = parts.cfg
         self.out_dir = parts.cfg.OUT_DIR
         train = parts.cfg.TRAIN
@@ -224,12 +294,77 @@ class CheckpointManager:
         )
         return epoch, iteration
 
-    def save(self, epoch: int, iteration: int):
+    def save(self, epoch: int, iteration: int, wait: bool = False):
         """Writes the checkpoint of (epoch, iteration) and applies retention;
-        returns its path on rank 0."""
+        returns its path on rank 0. With TRAIN.CHECKPOINT_ASYNC (and not `wait`)
+        it returns once the state is staged (None): the write goes on beside
+        training, and a previous write in flight is completed first."""
         if self.before_save is not None:
             self.before_save(epoch, iteration)
-        path = save(self.parts, epoch, iteration)
+        with self.stall_timer():
+            self.finish_pending()
+            if self.asynchronous and not wait:
+                self.pending = start_save(
+                    self.parts, epoch, iteration, self._host_stager(), self._pg()
+                )
+                return None
+            path = save(self.parts, epoch, iteration)
+        return self._completed(path)
+
+    def _host_stager(self):
+        if self._stager is None:
+            self._stager = HostStager(pin=self.parts.device.type == "cuda")
+        return self._stager
+
+    def _pg(self):
+        """A gloo group of its own for DCP's background collectives (sharing the
+        training's group from another thread could interleave collectives
+        differently on different ranks)."""
+        if (
+            self._group is None
+            and sharded_checkpoints(self.cfg)
+            and dist.is_initialized()
+        ):
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def poll(self) -> None:
+        """Completes a single-file write that has finished (retention, upload); no
+        collective, so any rank may call it at any step. A failed write waits for
+        `finish_pending` to stop every rank together."""
+        write = self.pending
+        if write is None or isinstance(write, ShardedWrite) or not write.done():
+            return
+        if write.error is None:
+            self.pending = None
+            if write.path is not None:
+                logger.info("wrote checkpoint %s (asynchronously)", write.path)
+            self._completed(write.path)
+
+    def finish_pending(self) -> None:
+        """Every rank: waits for the asynchronous write in flight, if any, and
+        completes it (retention, the after_save hook)."""
+        write, self.pending = self.pending, None
+        if write is not None:
+            self._completed(finish_write(self.cfg, write))
+
+    def close(self, failed: bool = False) -> None:
+        """The run ends: its last write completes before the process may exit.
+        `failed`: ending on an error, maybe on this rank alone: a sharded write is
+        only waited for (no collective, so it stays incomplete)."""
+        write = self.pending
+        if write is None:
+            return
+        if failed:
+            self.pending = None
+            try:
+                write.wait_local() if isinstance(write, ShardedWrite) else write.wait()
+            except Exception as e:  # noqa: BLE001 - already failing: say it, go on
+                logger.warning("checkpoint write failed: %s", _first_line(e))
+            return
+        self.finish_pending()
+
+    def _completed(self, path):
         if path and self.best and os.path.basename(path) == self.best["checkpoint"]:
             # Its weights were replaced: their test error is not known yet.
             self.best = None
@@ -243,10 +378,11 @@ class CheckpointManager:
         """After `done` of `iters` iterations of `epoch`: saves on the iteration
         period; on an agreed stop signal `signum`, saves and raises Stopped."""
         if signum:
-            path = self.save(*stop_checkpoint(epoch, done, iters))
+            path = self.save(*stop_checkpoint(epoch, done, iters), wait=True)
             message = stop_message(signum, epoch, done, path)
             logger.info(message)
             raise Stopped(message, signum)
+        self.poll()
         train = self.cfg.TRAIN
         due = iteration_checkpoint(
             epoch,
@@ -260,7 +396,11 @@ class CheckpointManager:
             self.save(*due)
 
     def after_epoch(self, epoch: int):
-        """After `epoch` is trained: saves on the epoch period and the last epoch."""
+        """After `epoch` is trained: saves on the epoch period and the last epoch;
+        a sharded asynchronous write in flight is completed first."""
+        if isinstance(self.pending, ShardedWrite):
+            with self.stall_timer():
+                self.finish_pending()
         if epoch_checkpoint_due(
             epoch, self.cfg.OPTIM.MAX_EPOCH, self.cfg.TRAIN.CHECKPOINT_PERIOD
         ):
@@ -270,6 +410,9 @@ class CheckpointManager:
         """After the model trained for `epoch` is evaluated: with
         TRAIN.CHECKPOINT_KEEP_BEST, a checkpoint of these weights with the lowest
         test error so far becomes the best (best.json); retention follows."""
+        if self.keep_best and self.pending is not None:
+            with self.stall_timer():
+                self.finish_pending()  # these weights' checkpoint may be in flight
         if not (self.keep_best and distributed.is_main()):
             return
         suffix = sharded.SUFFIX if sharded_checkpoints(self.cfg) else files.SUFFIX

@@ -8,6 +8,7 @@ by rank 0 once every rank has finished, so a crash mid-write never leaves a dire
 that looks complete.
 
     save(path, model, optimizer, ema, meta, rank_state)   # every rank
+    future = start_save(path, ...); ...; publish(path)    # asynchronous (every rank)
     meta, rank_state = load(path, model, optimizer, ema)  # every rank
     read_model_state(path, key="model")                   # one process, no group
     CheckpointTensors(path, key="model")                  # the same, read per tensor
@@ -43,6 +44,8 @@ __all__ = [
     "CheckpointTensors",
     "is_sharded",
     "save",
+    "start_save",
+    "publish",
     "load",
     "read_meta",
     "read_model_state",
@@ -97,31 +100,29 @@ def state_to_save(
     return state
 
 
-def save(
-    path: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    ema: nn.Module | None,
-    meta: dict[str, Any],
-    rank_state: Any,
-) -> None:
-    """Writes the sharded checkpoint `path` (a directory) from every rank.
+def _state(model, optimizer, ema, meta, rank_state):
+    state = state_to_save(model, optimizer, ema)
+    state["extra"] = {
+        "meta": _blob({**meta, "world_size": distributed.world_size()}),
+        f"rank_{distributed.rank()}": _blob(rank_state),
+    }
+    return state
 
-    `meta`: values common to all ranks (rank 0's copy is kept); `rank_state`: this
-    rank's own state (RNG states); both tensors and plain values only (they are
-    loaded with weights_only)."""
+
+def _clear_tmp(path):
     tmp = path + ".tmp"
     if distributed.local_rank() == 0 and os.path.exists(tmp):
         # A leftover of a write that crashed (each node's, when the folder is
         # node-local; on a shared one several nodes may race to remove it).
         shutil.rmtree(tmp, ignore_errors=True)
     distributed.barrier()
-    state = state_to_save(model, optimizer, ema)
-    state["extra"] = {
-        "meta": _blob({**meta, "world_size": distributed.world_size()}),
-        f"rank_{distributed.rank()}": _blob(rank_state),
-    }
-    dcp.save(state, checkpoint_id=tmp)
+    return tmp
+
+
+def publish(path: str) -> None:
+    """Every rank, once its part of `<path>.tmp` is written: rank 0 renames it to
+    `path` (replacing an older one of that name) when all ranks are done."""
+    tmp = path + ".tmp"
     distributed.barrier()  # every rank's shards and the metadata are on disk
     # A node whose folder rank 0 does not share (the node-local mirror of a remote
     # OUT_DIR) does not see rank 0's .metadata: its first rank renames its own copy,
@@ -146,6 +147,45 @@ def _replace(tmp: str, path: str) -> None:
         shutil.rmtree(old)
     else:
         os.replace(tmp, path)
+
+
+def save(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: nn.Module | None,
+    meta: dict[str, Any],
+    rank_state: Any,
+) -> None:
+    """Writes the sharded checkpoint `path` (a directory) from every rank.
+
+    `meta`: values common to all ranks (rank 0's copy is kept); `rank_state`: this
+    rank's own state (RNG states); both tensors and plain values only (they are
+    loaded with weights_only)."""
+    tmp = _clear_tmp(path)
+    dcp.save(_state(model, optimizer, ema, meta, rank_state), checkpoint_id=tmp)
+    publish(path)
+
+
+def start_save(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: nn.Module | None,
+    meta: dict[str, Any],
+    rank_state: Any,
+    process_group=None,
+    stager=None,
+):
+    """Every rank: stages its part of the checkpoint `path` to host memory and
+    starts writing it to `<path>.tmp` in the background (DCP's async_save, its
+    collectives on `process_group`, a gloo group of its own); returns the future.
+    `publish(path)` makes it complete once the future is done on every rank."""
+    tmp = _clear_tmp(path)
+    state = _state(model, optimizer, ema, meta, rank_state)
+    return dcp.async_save(
+        state, checkpoint_id=tmp, process_group=process_group, async_stager=stager
+    )
 
 
 def _check_fits(path, saved, prefix, state):

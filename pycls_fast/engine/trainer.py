@@ -64,6 +64,7 @@ from pycls_fast.datasets.to_device.prefetch import DevicePrefetcher
 from pycls_fast.datasets.to_device.transform import DeviceBatchTransform
 from pycls_fast.engine.distill import Distiller, build_distiller
 from pycls_fast.engine.model_setup import build_model_parts
+from pycls_fast.engine.run_metrics import RunMetrics
 from pycls_fast.errors import (
     NonFiniteLossError,
     OutDirInUseError,
@@ -84,6 +85,7 @@ from pycls_fast.parallel.pipeline import (
 from pycls_fast.parallel.planner import auto_layout, device_gib
 from pycls_fast.parallel.tensor_parallel import (
     clip_grad_norm_,
+    grad_norm,
 )
 from pycls_fast.runtime import distributed
 from pycls_fast.runtime.device_info import describe_device
@@ -145,6 +147,10 @@ class Components:
     # (evaluation only); `trained`, `model` and `ema` are then the stages' union.
     pipeline: PipelineRunner | None = None
     ema_pipeline: PipelineRunner | None = None
+    # The last step's gradient norm before clipping (0-d float32, on the device:
+    # read at log lines only) and the run's figures for the records (train_model).
+    grad_norm: torch.Tensor | None = None
+    metrics: RunMetrics | None = None
 
     def attach_test_loader(self, cfg: CfgNode, class_subset: bool = False) -> None:
         """Builds the test loader of `cfg` (TEST.SPLIT, sizes) and its device-side
@@ -390,7 +396,10 @@ def train_step(parts, inputs, targets, weight=1.0):
         skip = spike if found_inf is None else torch.maximum(found_inf, spike)
     if parts.cfg.OPTIM.GRAD_CLIP > 0:
         # After an overflow the clipped grads are NaN too; the step is skipped.
-        clip_grad_norm_(parts.opt_params, parts.cfg.OPTIM.GRAD_CLIP, stages)
+        norm = clip_grad_norm_(parts.opt_params, parts.cfg.OPTIM.GRAD_CLIP, stages)
+    else:
+        norm = grad_norm(parts.opt_params, stages)
+    parts.grad_norm = norm.detach()
     if parts.scaler.step(parts.optimizer, skip) and parts.master is not None:
         parts.master.master_to_model()  # unchanged masters after a skipped step
     parts.scaler.update(found_inf)
@@ -537,6 +546,11 @@ def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
         "time_epoch_s": meter.elapsed(),
         "mem_mb": memory_mb(parts.device),
     }
+    if parts.metrics is not None:
+        record |= parts.metrics.step_fields(parts, stats["img_per_s"])
+        record |= parts.metrics.goodput_fields(
+            epoch, iters, data.get("data_wait_s", 0.0)
+        )
     log_json_stats(record)
     return record
 
@@ -566,6 +580,9 @@ def _log_train_iter(parts, meter, epoch, it, iters, lr, skipped):
         "eta": format_eta(per_iter * remaining),
         "mem_mb": memory_mb(parts.device),
     }
+    if parts.metrics is not None:
+        record |= parts.metrics.step_fields(parts, record["img_per_s"])
+        parts.metrics.goodput_fields(epoch, it + 1, data.get("data_wait_s", 0.0))
     log_json_stats(record)
     return record
 
@@ -772,10 +789,15 @@ def _train(cfg, stop, remote=None):
         cfg.OPTIM.MAX_EPOCH,
     )
 
+    parts.metrics = metrics = RunMetrics(
+        cfg, parts, len(parts.train_loader), distributed.is_main()
+    )
+
     def before_save(epoch, iteration):
         # No checkpoint of weights that a non-finite loss has already touched; the
         # position (E, 0) is the end of epoch E - 1.
         check_finite(parts, parts.train_meter, epoch if iteration else epoch - 1)
+        metrics.mark(epoch, iteration)
 
     after_save = None
     if remote is not None:
@@ -783,8 +805,14 @@ def _train(cfg, stop, remote=None):
         def after_save(path):
             _upload_checkpoint(cfg, remote, path)
 
-    manager = CheckpointManager(parts, before_save=before_save, after_save=after_save)
+    manager = CheckpointManager(
+        parts,
+        before_save=before_save,
+        after_save=after_save,
+        stall_timer=lambda: metrics.span("checkpoint"),
+    )
     start_epoch, start_iter = manager.restore()
+    metrics.resumed_at(start_epoch, start_iter)
     if distributed.is_main():
         # Only now: a run that fails to start leaves the previous config.yaml as it was.
         dump_cfg(cfg)
@@ -812,8 +840,14 @@ def _train(cfg, stop, remote=None):
             )
     try:
         _epochs(parts, manager, results, start_epoch, start_iter, on_iter_end, remote)
+    except BaseException:
+        manager.close(failed=True)  # no exit before the last write is complete
+        raise
+    else:
+        manager.close()
     finally:
         profiler.close()
+        metrics.finish()
     return results
 
 
@@ -823,17 +857,20 @@ def _epochs(parts, manager, results, start_epoch, start_iter, on_iter_end, remot
     for epoch in range(start_epoch, cfg.OPTIM.MAX_EPOCH):
         t0 = time.perf_counter()
         _log_stage(cfg, epoch, first=epoch == start_epoch)
-        results["train"] = train_epoch(parts, epoch, start_iter, on_iter_end)
+        with parts.metrics.span("train"):
+            results["train"] = train_epoch(parts, epoch, start_iter, on_iter_end)
         start_iter = 0
         last_epoch = epoch + 1 == cfg.OPTIM.MAX_EPOCH
         manager.after_epoch(epoch)
         if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or last_epoch:
-            results["test"] = test_epoch(parts, parts.model, epoch)
+            with parts.metrics.span("eval"):
+                results["test"] = test_epoch(parts, parts.model, epoch)
             manager.after_eval(epoch, results["test"]["top1_err"])
             if parts.ema is not None:
-                results["test_ema"] = test_epoch(
-                    parts, parts.ema, epoch, "test_ema_epoch"
-                )
+                with parts.metrics.span("eval"):
+                    results["test_ema"] = test_epoch(
+                        parts, parts.ema, epoch, "test_ema_epoch"
+                    )
         logger.info("epoch %d done in %.1f s", epoch + 1, time.perf_counter() - t0)
         if remote is not None and distributed.is_main():
             remote.push()

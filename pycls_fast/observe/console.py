@@ -2,8 +2,9 @@
 
 On a terminal, a ~300-character `json_stats:` line per log period is hard to read;
 ConsoleFormatter shows the record as one line (epoch/iteration, loss, top-1
-accuracy, images/s, data-wait share, ETA) instead. OUT_DIR/stdout.log, and stdout
-when it is not a terminal (pipes, CI, SLURM logs), keep the json_stats lines.
+accuracy, images/s, data-wait share, MFU, gradient norm, goodput, ETA) instead.
+OUT_DIR/stdout.log, and stdout when it is not a terminal (pipes, CI, SLURM logs),
+keep the json_stats lines.
 """
 
 import logging
@@ -34,6 +35,12 @@ def human_line(stats: dict) -> str | None:
     parts.append(f"{stats['img_per_s']:,.0f} img/s")
     if "data_wait_frac" in stats:
         parts.append(f"data wait {100.0 * stats['data_wait_frac']:.0f}%")
+    if stats.get("mfu"):
+        parts.append(f"MFU {100.0 * stats['mfu']:.1f}%")
+    if "grad_norm" in stats:
+        parts.append(f"|g| {stats['grad_norm']:.3g}")
+    if "goodput" in stats:
+        parts.append(f"goodput {100.0 * stats['goodput']:.0f}%")
     if "eta" in stats:
         parts.append(f"ETA {stats['eta']}")
     elif "time_epoch_s" in stats:

@@ -240,15 +240,12 @@ def canonical_state_dict(model: nn.Module, tp: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def clip_grad_norm_(
-    params: list[torch.Tensor], max_norm: float, group=None
-) -> torch.Tensor:
-    """torch's clip_grad_norm_ over parameters that may mix DTensors (on one or more
-    meshes) and plain tensors: the total 2-norm of all gradients, each DTensor's
-    reduced over its mesh and each plain gradient counted once (plain parameters are
-    replicated alike on every rank); `group`: the pipeline stages, whose parameters
-    are disjoint (their squares are summed). Returns the norm, a 0-d float32
-    tensor."""
+def grad_norm(params: list[torch.Tensor], group=None) -> torch.Tensor:
+    """The total 2-norm of the gradients of `params`, which may mix DTensors (on one
+    or more meshes) and plain tensors: each DTensor's reduced over its mesh and each
+    plain gradient counted once (plain parameters are replicated alike on every
+    rank); `group`: the pipeline stages, whose parameters are disjoint (their
+    squares are summed). A 0-d float32 device tensor (nothing read to the host)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads and group is None:
         return torch.zeros(())
@@ -272,7 +269,19 @@ def clip_grad_norm_(
     total = torch.stack(squares).sum() if squares else torch.zeros(())
     if group is not None:
         torch.distributed.all_reduce(total, group=group)
-    norm = total.sqrt()
+    return total.sqrt()
+
+
+def clip_grad_norm_(
+    params: list[torch.Tensor], max_norm: float, group=None
+) -> torch.Tensor:
+    """torch's clip_grad_norm_ over parameters that may mix DTensors and plain
+    tensors (`grad_norm`); returns the norm before clipping, a 0-d float32
+    tensor."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = grad_norm(params, group)
+    if not grads and group is None:
+        return norm
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     if local:

@@ -1,0 +1,121 @@
+"""Asynchronous checkpoint writes (TRAIN.CHECKPOINT_ASYNC): training stalls only
+while the state is copied to host memory; the write runs beside training.
+
+    stager = HostStager(pin=device.type == "cuda")   # reuses its buffers
+    write = FileWrite.start(stager.stage(state), write_fn)   # a writer thread
+    write = ShardedWrite(path, dcp_future)                    # DCP's async_save
+    write.done()      # finished (no collective: files only)
+    write.wait()      # the path written, or the write's exception raised
+
+A single-file checkpoint is staged by copying every tensor to host memory (pinned
+buffers on a GPU, reused from one save to the next, so the device-to-host copies run
+at full speed and pinning is paid once), then written by a thread with the same
+atomic write as a synchronous save (temporary name, fsync, rename): a kill at any
+moment leaves either the complete file or a temporary one that the next start
+deletes, and the newest complete checkpoint is the previous one.
+
+A sharded checkpoint is DCP's `async_save` into `<name>.tmp`; it becomes `<name>`
+(complete) only when every rank's write has finished and rank 0 renames it
+(sharded.publish, a collective): at the next save, the end of an epoch or the end of
+the run.
+"""
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class HostStager:
+    """Copies a nested state (dicts, lists, tuples of tensors and plain values) to
+    host memory; the copies are the checkpoint's, independent of training."""
+
+    def __init__(self, pin: bool = False) -> None:
+        self.pin = pin and torch.cuda.is_available()
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if not self.pin:
+            return t.to("cpu", copy=True)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._buffers[key] = buf
+        buf.copy_(t, non_blocking=t.is_cuda)
+        return buf
+
+    def stage(self, state: Any) -> Any:
+        """A host copy of `state` (waits for the device copies to finish)."""
+        staged = self._walk(state, "")
+        if self.pin:
+            torch.cuda.synchronize()
+        return staged
+
+    def _walk(self, value: Any, key: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._copy(key, value)
+        if isinstance(value, dict):
+            return {k: self._walk(v, f"{key}/{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            items = [self._walk(v, f"{key}/{i}") for i, v in enumerate(value)]
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+
+class FileWrite:
+    """A single-file checkpoint written by a thread (rank 0), or nothing to write
+    (other ranks: `write_fn` None)."""
+
+    def __init__(self, write_fn: Callable[[], str] | None) -> None:
+        self.path: str | None = None
+        self.error: BaseException | None = None
+        self._thread = None
+        if write_fn is not None:
+            # Not a daemon: the interpreter does not exit before the write is done.
+            self._thread = threading.Thread(
+                target=self._run, args=(write_fn,), name="checkpoint-writer"
+            )
+            self._thread.start()
+
+    def _run(self, write_fn: Callable[[], str]) -> None:
+        try:
+            self.path = write_fn()
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            self.error = e
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> str | None:
+        """Blocks until written; returns the path (None on ranks that wrote
+        nothing) or raises the write's error."""
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.path
+
+
+class ShardedWrite:
+    """A sharded checkpoint being written by DCP's async_save on every rank."""
+
+    def __init__(self, path: str, future, publish: Callable[[str], None]) -> None:
+        self.path = path
+        self.future = future
+        self._publish = publish
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait_local(self) -> None:
+        """This rank's part is written (or failed: raises); no collective."""
+        self.future.result()
+
+    def wait(self) -> str:
+        """Every rank: waits for its part, then the checkpoint is published (renamed
+        complete by rank 0; collectives); returns its path."""
+        self.wait_local()
+        self._publish(self.path)
+        return self.path
