@@ -178,7 +178,11 @@ def setup_run(cfg):
     prepare_out_dir(cfg)
     setup_logging(cfg.OUT_DIR, cfg.LOG_DEST, distributed.is_main())
     if distributed.is_main():
-        attach_stats_sinks(cfg.OUT_DIR, tensorboard=cfg.LOG_TENSORBOARD)
+        attach_stats_sinks(
+            cfg.OUT_DIR,
+            tensorboard=cfg.LOG_TENSORBOARD,
+            wandb_cfg=cfg if cfg.LOG_WANDB else None,
+        )
     apply_backend_flags(cfg)
     logger.info(
         "output folder %s; device %s; %d process(es)",

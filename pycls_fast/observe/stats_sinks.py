@@ -9,16 +9,21 @@ reaches every sink once, from one place:
 - OUT_DIR/epoch_stats.csv: one row per (record type, epoch) of the epoch records
   (train_epoch, test_epoch, test_ema_epoch), columns in a fixed order; a resumed run
   that logs an epoch again replaces its row instead of adding a second one.
+  Train rows carry the throughput (tflops, mfu, ...), memory, gradient norm and
+  goodput columns too (empty in test rows).
 - OUT_DIR/tb_log/ (pycls's vitconfigs folder name), with `LOG_TENSORBOARD True`:
   every numeric field of every record as the scalar `<type>/<field>` (pycls's
   `train_iter/loss`, `test_epoch/top1_err`, ...), at the global iteration for
   iteration records and at the epoch for epoch records.
+- a Weights & Biases run, with `LOG_WANDB True` (wandb_sink.py).
 """
 
 import csv
 import json
 import logging
 import os
+
+from yacs.config import CfgNode
 
 from pycls_fast.errors import UserError
 from pycls_fast.observe.console import STATS_ATTR
@@ -30,7 +35,10 @@ EPOCH_TYPES = ("train_epoch", "test_epoch", "test_ema_epoch")
 CSV_COLUMNS = [
     "_type", "epoch", "loss", "top1_err", "top5_err", "lr", "img_per_s", "images",
     "data_wait_frac", "bad_images", "skipped_steps", "loss_scale", "time_epoch_s",
-    "mem_mb",
+    "mem_mb", "tflops", "hw_tflops", "mfu", "hfu", "grad_norm", "mem_reserved_mb",
+    "alloc_retries", "oom_count", "host_rss_mb", "goodput", "wall_s",
+    "wall_step_s", "wall_data_s", "wall_eval_s", "wall_checkpoint_s",
+    "wall_startup_s", "wall_lost_s", "wall_other_s",
 ]  # fmt: skip
 
 
@@ -39,7 +47,7 @@ def _logged(stats: dict) -> dict:
     return json.loads(dump_json_stats(stats).split(": ", 1)[1])
 
 
-def _fraction(text) -> tuple[int, int] | None:
+def fraction(text) -> tuple[int, int] | None:
     """'3/10' -> (3, 10); None for anything else."""
     try:
         done, total = str(text).split("/")
@@ -48,7 +56,7 @@ def _fraction(text) -> tuple[int, int] | None:
         return None
 
 
-class _StatsHandler(logging.Handler):
+class StatsHandler(logging.Handler):
     """Passes the stats of json_stats records to `take(stats)`."""
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -64,7 +72,7 @@ class _StatsHandler(logging.Handler):
         raise NotImplementedError
 
 
-class CsvEpochStats(_StatsHandler):
+class CsvEpochStats(StatsHandler):
     """OUT_DIR/epoch_stats.csv: a row per (type, epoch) of the epoch records."""
 
     def __init__(self, out_dir: str) -> None:
@@ -90,7 +98,7 @@ class CsvEpochStats(_StatsHandler):
         os.replace(tmp, self.path)
 
 
-class TensorBoardStats(_StatsHandler):
+class TensorBoardStats(StatsHandler):
     """OUT_DIR/tb_log: every numeric field of every record as a scalar."""
 
     def __init__(self, out_dir: str) -> None:
@@ -107,10 +115,10 @@ class TensorBoardStats(_StatsHandler):
     @staticmethod
     def step(stats: dict) -> int | None:
         """The x of a record: its global iteration (iteration records) or epoch."""
-        epoch = _fraction(stats.get("epoch"))
+        epoch = fraction(stats.get("epoch"))
         if epoch is None:
             return None
-        it = _fraction(stats.get("iter"))
+        it = fraction(stats.get("iter"))
         if it is not None:
             return (epoch[0] - 1) * it[1] + it[0]
         return epoch[0]
@@ -129,10 +137,18 @@ class TensorBoardStats(_StatsHandler):
         super().close()
 
 
-def attach_stats_sinks(out_dir: str, tensorboard: bool = False) -> None:
-    """Adds the CSV (and with `tensorboard`, the TensorBoard) sink to the root logger
-    (setup_logging removes them with the other handlers)."""
+def attach_stats_sinks(
+    out_dir: str, tensorboard: bool = False, wandb_cfg: CfgNode | None = None
+) -> None:
+    """Adds the CSV (with `tensorboard`, the TensorBoard; with `wandb_cfg`, the
+    config of a LOG_WANDB run, the W&B) sink to the root logger (setup_logging
+    removes them with the other handlers)."""
     root = logging.getLogger()
     root.addHandler(CsvEpochStats(out_dir))
     if tensorboard:
         root.addHandler(TensorBoardStats(out_dir))
+    if wandb_cfg is not None:
+        # Imported here: wandb_sink builds on this module's StatsHandler.
+        from pycls_fast.observe.wandb_sink import WandbStats
+
+        root.addHandler(WandbStats(out_dir, wandb_cfg))
