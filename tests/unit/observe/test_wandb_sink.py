@@ -17,8 +17,9 @@ pytest.importorskip("wandb")
 
 def _records(epoch, iters=4):
     for it in (2, 4):
-        yield {"_type": "train_iter", "epoch": f"{epoch}/2", "iter": f"{it}/{iters}",
-               "loss": 1.0 / (epoch * it), "mfu": 0.25, "grad_norm": 0.5 * it}  # fmt: skip
+        yield {"_type": "train_iter", "epoch": f"{epoch}/2",
+               "iter": f"{it}/{iters}", "loss": 1.0 / (epoch * it), "mfu": 0.25,
+               "grad_norm": 0.5 * it}  # fmt: skip
     yield {"_type": "train_epoch", "epoch": f"{epoch}/2", "loss": 1.0 / epoch,
            "goodput": 0.8, "wall_lost_s": 0.0}  # fmt: skip
     yield {"_type": "test_epoch", "epoch": f"{epoch}/2", "top1_err": 50.0 / epoch,
