@@ -12,14 +12,12 @@ import pytest
 
 from pycls_fast.checkpoint import files as ckpt
 from pycls_fast.observe.logging import load_json_stats
-from tests.integration.test_reliability import (
+from tests.integration.test_reliability import (  # noqa: F401 - the fixture
     _assert_same_run,
     _finish,
     _start,
     _train,
     _wait_for_iterations,
-)
-from tests.integration.test_reliability import (  # noqa: F401 - the fixture
     uninterrupted,
 )
 
