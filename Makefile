@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 	distill-demo \
 	check-node bench bench-dist bench-attention \
 	bench-loader bench-index bench-shards bench-loader-scaling \
-	bench-optimizer bench-progressive bench-infer bench-build-memory mutation clean
+	bench-optimizer bench-progressive bench-infer bench-build-memory mutation \
+	bench-checkpoint clean
 
 setup: $(STAMP)
 
@@ -147,6 +148,11 @@ bench-infer: setup
 # on a CPU (2 ranks) and ten minutes on 2 cores: check `free -g` first.
 bench-build-memory: setup
 	$(PY) -m benchmarks.build_memory --json-out out/bench/build_memory_ViT-g-14.json
+
+# Checkpoint stall, synchronous vs TRAIN.CHECKPOINT_ASYNC, for a 2.4 GB state
+# (ViT-L width, 12 blocks, AdamW), and the step time while a write runs.
+bench-checkpoint: setup
+	$(PY) -m benchmarks.checkpoint_stall --json-out out/bench/checkpoint_stall.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -7,9 +7,9 @@ while the state is copied to host memory; the write runs beside training.
     write.done()      # finished (no collective: files only)
     write.wait()      # the path written, or the write's exception raised
 
-A single-file checkpoint is staged by copying every tensor to host memory (pinned
-buffers on a GPU, reused from one save to the next, so the device-to-host copies run
-at full speed and pinning is paid once), then written by a thread with the same
+A single-file checkpoint is staged by copying every tensor to host memory (buffers
+reused from one save to the next, pinned on a GPU, so that the copies run at memory
+speed and page faults and pinning are paid once), then written by a thread with the same
 atomic write as a synchronous save (temporary name, fsync, rename): a kill at any
 moment leaves either the complete file or a temporary one that the next start
 deletes, and the newest complete checkpoint is the previous one.
@@ -33,17 +33,19 @@ class HostStager:
 
     def __init__(self, pin: bool = False) -> None:
         self.pin = pin and torch.cuda.is_available()
+        # The host buffers, kept from one save to the next: a fresh allocation
+        # would fault in (and, pinned, register) every page at each save, which
+        # costs more than the copy. Reusing them is safe because a save waits for
+        # the previous write to finish before staging.
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
-        if not self.pin:
-            return t.to("cpu", copy=True)
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
             self._buffers[key] = buf
-        buf.copy_(t, non_blocking=t.is_cuda)
+        buf.copy_(t, non_blocking=self.pin and t.is_cuda)
         return buf
 
     def stage(self, state: Any) -> Any:

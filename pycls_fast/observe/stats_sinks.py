@@ -19,15 +19,13 @@ reaches every sink once, from one place:
 """
 
 import csv
-import json
 import logging
 import os
 
 from yacs.config import CfgNode
 
 from pycls_fast.errors import UserError
-from pycls_fast.observe.console import STATS_ATTR
-from pycls_fast.observe.logging import dump_json_stats
+from pycls_fast.observe.stats_handler import StatsHandler, fraction
 
 CSV_FILE = "epoch_stats.csv"
 TB_DIR = "tb_log"
@@ -40,36 +38,6 @@ CSV_COLUMNS = [
     "wall_step_s", "wall_data_s", "wall_eval_s", "wall_checkpoint_s",
     "wall_startup_s", "wall_lost_s", "wall_other_s",
 ]  # fmt: skip
-
-
-def _logged(stats: dict) -> dict:
-    """The record as its json_stats line holds it (floats to 6 significant digits)."""
-    return json.loads(dump_json_stats(stats).split(": ", 1)[1])
-
-
-def fraction(text) -> tuple[int, int] | None:
-    """'3/10' -> (3, 10); None for anything else."""
-    try:
-        done, total = str(text).split("/")
-        return int(done), int(total)
-    except ValueError:
-        return None
-
-
-class StatsHandler(logging.Handler):
-    """Passes the stats of json_stats records to `take(stats)`."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        stats = getattr(record, STATS_ATTR, None)
-        if stats is None:
-            return
-        try:
-            self.take(_logged(stats))
-        except Exception:  # noqa: BLE001 - logging must never raise
-            self.handleError(record)
-
-    def take(self, stats: dict) -> None:
-        raise NotImplementedError
 
 
 class CsvEpochStats(StatsHandler):
@@ -148,7 +116,7 @@ def attach_stats_sinks(
     if tensorboard:
         root.addHandler(TensorBoardStats(out_dir))
     if wandb_cfg is not None:
-        # Imported here: wandb_sink builds on this module's StatsHandler.
+        # Imported here: wandb is imported only when a run asks for it.
         from pycls_fast.observe.wandb_sink import WandbStats
 
         root.addHandler(WandbStats(out_dir, wandb_cfg))

@@ -29,7 +29,7 @@ import uuid
 from yacs.config import CfgNode
 
 from pycls_fast.errors import UserError
-from pycls_fast.observe.stats_sinks import StatsHandler, fraction
+from pycls_fast.observe.stats_handler import StatsHandler, fraction
 
 ID_FILE = "wandb_id"
 EPOCH_TYPES = ("train_epoch", "test_epoch", "test_ema_epoch", "goodput")
