@@ -44,11 +44,14 @@ setup(
             "onnx>=1.17",
             "onnxruntime>=1.20",
             "onnxscript>=0.2",
+            "wandb>=0.19",
         ],
         # LOG_TENSORBOARD: event files through torch.utils.tensorboard.
         "tensorboard": ["tensorboard>=2.14"],
         # tools/export.py --format onnx: torch's exporter (onnxscript) and the
         # onnxruntime check; the export tests need them too.
         "export": ["onnx>=1.17", "onnxruntime>=1.20", "onnxscript>=0.2"],
+        # LOG_WANDB: a Weights & Biases run (offline mode needs no account).
+        "wandb": ["wandb>=0.19"],
     },
 )
