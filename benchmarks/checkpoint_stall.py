@@ -6,8 +6,11 @@
 A model whose checkpoint (weights, AdamW moments, RNG and meter states) is a few GB
 trains on synthetic batches with the real CheckpointManager; in each round it saves
 once synchronously and once with TRAIN.CHECKPOINT_ASYNC (A, B, A, B, ...), timing:
-- the stall: how long `manager.save` keeps the training loop (synchronous: the whole
-  write; asynchronous: waiting for nothing in flight, then staging to host memory);
+- the stall: how long the checkpoint keeps the training loop, as the goodput account
+  counts it (CheckpointManager's stall timer): synchronous, the whole write;
+  asynchronous, the save call plus the wait of the next optimizer step for the copy
+  to host memory (on a CPU the writer thread makes the copy beside that step's
+  forward and backward);
 - the step time before the save and while the asynchronous write is in flight (the
   writer thread shares the CPU cores and the disk with training);
 - the write's total time (asynchronous: from the save until the write completes).
@@ -23,6 +26,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -77,7 +81,18 @@ def main():
 
     for _ in range(2):  # warm-up; creates the AdamW state
         step()
-    manager = CheckpointManager(parts)
+    stalls = []
+
+    @contextmanager
+    def stall_timer():
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            stalls.append(time.perf_counter() - start)
+
+    manager = CheckpointManager(parts, stall_timer=stall_timer)
+    parts.before_update = manager.wait_staged  # as train_model sets it
     params = sum(p.numel() for p in parts.model.parameters())
     results = {"sync": [], "async": []}
     position = 0
@@ -87,15 +102,16 @@ def main():
                 before = statistics.median(step() for _ in range(3))
                 manager.asynchronous = mode == "async"
                 position += 1
+                stalls.clear()
                 start = time.perf_counter()
                 manager.save(0, position)
-                stall = time.perf_counter() - start
                 during = []
                 if mode == "async":
                     while manager.pending is not None and not manager.pending.done():
                         during.append(step())
                     manager.finish_pending()
                 write = time.perf_counter() - start
+                stall = sum(stalls)
                 results[mode].append(
                     {
                         "stall_s": stall,

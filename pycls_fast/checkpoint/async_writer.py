@@ -2,8 +2,10 @@
 while the state is copied to host memory; the write runs beside training.
 
     stager = HostStager(pin=device.type == "cuda")   # reuses its buffers
-    write = FileWrite.start(stager.stage(state), write_fn)   # a writer thread
-    write = ShardedWrite(path, dcp_future)                    # DCP's async_save
+    write = FileWrite(write_fn, stager.stage(state))          # a writer thread
+    write = FileWrite(write_fn, state, stager.stage)          # staged by it too
+    write.wait_staged()   # before the next optimizer step (staged by the thread)
+    write = ShardedWrite(path, dcp_future, publish)           # DCP's async_save
     write.done()      # finished (no collective: files only)
     write.wait()      # the path written, or the write's exception raised
 
@@ -12,7 +14,11 @@ reused from one save to the next, pinned on a GPU, so that the copies run at mem
 speed and page faults and pinning are paid once), then written by a thread with the same
 atomic write as a synchronous save (temporary name, fsync, rename): a kill at any
 moment leaves either the complete file or a temporary one that the next start
-deletes, and the newest complete checkpoint is the previous one.
+deletes, and the newest complete checkpoint is the previous one. On a CPU the copy
+itself runs in the writer thread too, beside the next step's forward and backward
+(which only read the weights): the training loop waits for it only before the
+optimizer step changes them (`wait_staged`). On a GPU the copy is made at the save
+(pinned device-to-host copies take a fraction of a second for GBs).
 
 A sharded checkpoint is DCP's `async_save` into `<name>.tmp`; it becomes `<name>`
 (complete) only when every rank's write has finished and rank 0 renames it
@@ -68,24 +74,50 @@ class HostStager:
 
 class FileWrite:
     """A single-file checkpoint written by a thread (rank 0), or nothing to write
-    (other ranks: `write_fn` None)."""
+    (other ranks: `write_fn` None).
 
-    def __init__(self, write_fn: Callable[[], str] | None) -> None:
+    `write_fn(staged)` writes the staged state and returns the path. With
+    `stage_fn`, the thread first stages `state` itself (`stage_fn(state)`), while
+    training goes on: the caller must call `wait_staged()` before it changes any
+    tensor of `state` in place (the optimizer step); without, `state` is staged."""
+
+    def __init__(
+        self,
+        write_fn: Callable[[Any], str] | None,
+        state: Any = None,
+        stage_fn: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.path: str | None = None
         self.error: BaseException | None = None
+        self._staged = threading.Event()
         self._thread = None
-        if write_fn is not None:
-            # Not a daemon: the interpreter does not exit before the write is done.
-            self._thread = threading.Thread(
-                target=self._run, args=(write_fn,), name="checkpoint-writer"
-            )
-            self._thread.start()
+        if write_fn is None:
+            self._staged.set()
+            return
+        # Not a daemon: the interpreter does not exit before the write is done.
+        self._thread = threading.Thread(
+            target=self._run, args=(write_fn, state, stage_fn), name="checkpoint-writer"
+        )
+        self._thread.start()
 
-    def _run(self, write_fn: Callable[[], str]) -> None:
+    def _run(self, write_fn, state, stage_fn) -> None:
         try:
-            self.path = write_fn()
+            try:
+                staged = stage_fn(state) if stage_fn is not None else state
+            finally:
+                self._staged.set()
+            del state
+            self.path = write_fn(staged)
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             self.error = e
+
+    def staged(self) -> bool:
+        """Whether the state has been copied (training may change it)."""
+        return self._staged.is_set()
+
+    def wait_staged(self) -> None:
+        """Blocks until the state has been copied."""
+        self._staged.wait()
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()

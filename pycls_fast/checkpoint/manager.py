@@ -194,9 +194,15 @@ def start_save(parts, epoch: int, iteration: int, stager, group):
     state = training_state(parts, epoch, iteration)
     if not distributed.is_main():
         return FileWrite(None)
-    staged = stager.stage(state)
     out_dir = cfg.OUT_DIR
-    return FileWrite(lambda: files.save_checkpoint(out_dir, staged, epoch, iteration))
+
+    def write(staged):
+        return files.save_checkpoint(out_dir, staged, epoch, iteration)
+
+    if parts.device.type == "cpu":
+        # The copy runs beside the next forward and backward (wait_staged).
+        return FileWrite(write, state, stager.stage)
+    return FileWrite(write, stager.stage(state))
 
 
 def finish_write(cfg, write) -> str | None:
@@ -327,6 +333,14 @@ class CheckpointManager:
         ):
             self._group = dist.new_group(backend="gloo")
         return self._group
+
+    def wait_staged(self) -> None:
+        """Before the optimizer changes the weights: waits until a write in flight
+        has copied them (a checkpoint stall when it had not)."""
+        write = self.pending
+        if isinstance(write, FileWrite) and not write.staged():
+            with self.stall_timer():
+                write.wait_staged()
 
     def poll(self) -> None:
         """Completes a single-file write that has finished (retention, upload); no

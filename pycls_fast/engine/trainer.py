@@ -151,6 +151,9 @@ class Components:
     # read at log lines only) and the run's figures for the records (train_model).
     grad_norm: torch.Tensor | None = None
     metrics: RunMetrics | None = None
+    # Called before the optimizer changes the weights (an asynchronous checkpoint
+    # still copying them waits there).
+    before_update: Callable[[], None] | None = None
 
     def attach_test_loader(self, cfg: CfgNode, class_subset: bool = False) -> None:
         """Builds the test loader of `cfg` (TEST.SPLIT, sizes) and its device-side
@@ -404,6 +407,8 @@ def train_step(parts, inputs, targets, weight=1.0):
     else:
         norm = grad_norm(parts.opt_params, stages)
     parts.grad_norm = norm.detach()
+    if parts.before_update is not None:
+        parts.before_update()  # e.g. a checkpoint's copy of the weights must be done
     if parts.scaler.step(parts.optimizer, skip) and parts.master is not None:
         parts.master.master_to_model()  # unchanged masters after a skipped step
     parts.scaler.update(found_inf)
@@ -815,6 +820,7 @@ def _train(cfg, stop, remote=None):
         after_save=after_save,
         stall_timer=lambda: metrics.span("checkpoint"),
     )
+    parts.before_update = manager.wait_staged
     start_epoch, start_iter = manager.restore()
     metrics.resumed_at(start_epoch, start_iter)
     if distributed.is_main():

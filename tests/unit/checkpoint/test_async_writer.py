@@ -24,7 +24,7 @@ def test_the_staged_state_is_the_state_at_the_save(tmp_path):
     staged = HostStager().stage(state)
     before = weights.clone()
     weights.add_(100.0)  # training goes on while the write runs
-    write = FileWrite(lambda: files.save_checkpoint(str(tmp_path), staged, 3))
+    write = FileWrite(lambda s: files.save_checkpoint(str(tmp_path), s, 3), staged)
     path = write.wait()
     loaded = files.load_checkpoint(path)
     assert torch.equal(loaded["model_state"]["w"], before)
@@ -32,8 +32,24 @@ def test_the_staged_state_is_the_state_at_the_save(tmp_path):
     assert loaded["epoch"] == 3
 
 
+def test_a_state_staged_by_the_writer_is_the_state_at_the_save(tmp_path):
+    # On a CPU the writer thread copies the state itself; training waits for the
+    # copy (wait_staged) before its optimizer step changes the weights.
+    weights = torch.arange(10_000_000, dtype=torch.float32)
+    before = weights.clone()
+
+    def write(staged):
+        return files.save_checkpoint(str(tmp_path), staged, 1)
+
+    write_ = FileWrite(write, {"model_state": {"w": weights}}, HostStager().stage)
+    write_.wait_staged()
+    weights.add_(1.0)  # the optimizer step
+    loaded = files.load_checkpoint(write_.wait())
+    assert torch.equal(loaded["model_state"]["w"], before)
+
+
 def test_a_failed_write_is_raised_by_wait(tmp_path):
-    def fail():
+    def fail(_):
         raise OSError(28, "No space left on device")
 
     write = FileWrite(fail)
@@ -56,6 +72,7 @@ def test_saves_wait_for_the_previous_and_retention_follows_the_write(tmp_path):
     first = next(iter(parts.model.parameters()))
     at_first = first.detach().clone()
     assert manager.save(1, 0) is None  # staged; written beside training
+    manager.wait_staged()  # what train_step does before the optimizer step
     with torch.no_grad():
         first.add_(1.0)
     manager.save(2, 0)
@@ -82,7 +99,7 @@ out = sys.argv[1]
 files.save_checkpoint(out, {"model_state": {"w": torch.zeros(4)}}, 1)
 big = {"model_state": {"w": torch.ones(75_000_000)}}
 staged = HostStager().stage(big)
-FileWrite(lambda: files.save_checkpoint(out, staged, 2))
+FileWrite(lambda s: files.save_checkpoint(out, s, 2), staged)
 print("started", flush=True)
 time.sleep(60)
 """
