@@ -11,8 +11,9 @@ once synchronously and once with TRAIN.CHECKPOINT_ASYNC (A, B, A, B, ...), timin
   asynchronous, the save call plus the wait of the next optimizer step for the copy
   to host memory (on a CPU the writer thread makes the copy beside that step's
   forward and backward);
-- the step time before the save and while the asynchronous write is in flight (the
-  writer thread shares the CPU cores and the disk with training);
+- the step time without a write (the median of steps just before the save and just
+  after the write) and while the asynchronous write is in flight (the writer thread
+  shares the CPU cores, the memory bandwidth and the disk with training);
 - the write's total time (asynchronous: from the save until the write completes).
 Medians over the rounds; ratios async / sync. Checkpoints go to a temporary folder
 (deleted after), CHECKPOINT_KEEP 1.
@@ -99,7 +100,7 @@ def main():
     try:
         for _ in range(args.rounds):
             for mode in ("sync", "async"):
-                before = statistics.median(step() for _ in range(3))
+                quiet = [step() for _ in range(3)]
                 manager.asynchronous = mode == "async"
                 position += 1
                 stalls.clear()
@@ -112,11 +113,14 @@ def main():
                     manager.finish_pending()
                 write = time.perf_counter() - start
                 stall = sum(stalls)
+                # The steps right before and right after the write are the step
+                # time without one (the machine drifts: both sides of it).
+                quiet += [step() for _ in range(3)]
                 results[mode].append(
                     {
                         "stall_s": stall,
                         "write_s": write,
-                        "step_s": before,
+                        "step_s": statistics.median(quiet),
                         "step_during_write_s": (
                             statistics.median(during) if during else float("nan")
                         ),
@@ -166,7 +170,7 @@ def main():
         f"{summary['async_write_s']:.2f} | |"
     )
     print(
-        f"| step time (s): before / while the write runs | "
+        f"| step time (s): without a write / while the write runs | "
         f"{summary['step_s']:.3f} | {summary['step_during_write_s']:.3f} | "
         f"{summary['step_slowdown_during_write']:.2f} |"
     )
