@@ -557,6 +557,13 @@ _key("TRAIN.CHECKPOINT_KEEP_BEST", False)
 # Resume training from the newest complete checkpoint in OUT_DIR
 _key("TRAIN.AUTO_RESUME", True)
 
+# pycls_fast: keys (comma-separated, or 'all') whose change from the config of the
+# checkpoints in OUT_DIR a rerun accepts. A change that alters what the checkpoints
+# mean (model, optimizer, schedule, data) is otherwise refused, naming the keys;
+# logging, loader, launch and checkpoint-cadence keys may change freely. Accepted
+# changes are logged, and the replaced config.yaml is kept in OUT_DIR/config_history
+_key("TRAIN.ACCEPT_CHANGES", "")
+
 # pycls_fast: under several processes, agree on a stop signal (SIGTERM, Ctrl-C;
 # one collective and one host read) every this many iterations and at the end of
 # each epoch, so a stopped run exits within this many steps (one process: every
@@ -1344,6 +1351,7 @@ def check_cfg(cfg: CfgNode) -> None:
         if _get(cfg, key) % dp:
             raise ConfigError(f"{key} ({_get(cfg, key)}) must be divisible by {ranks}")
     _check_distill(cfg)
+    _check_accept_changes(cfg.TRAIN.ACCEPT_CHANGES)
     if cfg.TRAIN.BCE_BINARY_TARGETS and cfg.TRAIN.BCE_TARGET_THRESH:
         raise ConfigError(
             "TRAIN.BCE_BINARY_TARGETS True is the threshold 0: leave "
@@ -1500,6 +1508,17 @@ def _check_parallel(cfg: CfgNode) -> None:
                     if key == "TRAIN.ACCUM_STEPS"
                     else f"{key} is not supported with PARALLEL.PP > 1"
                 )
+
+
+def _check_accept_changes(value: str) -> None:
+    """Every name in TRAIN.ACCEPT_CHANGES is a config key (or 'all')."""
+    known = _flat_keys(_DEFAULTS)
+    for name in (k.strip() for k in value.split(",")):
+        if name and name != "all" and name not in known:
+            raise ConfigError(
+                f"TRAIN.ACCEPT_CHANGES: {name!r} is not a config key"
+                f"{_suggest(name, known)}"
+            )
 
 
 def _check_distill(cfg: CfgNode) -> None:

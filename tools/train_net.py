@@ -9,6 +9,7 @@ at once (`LAUNCH.WAIT True`: waits and reports its result)."""
 import logging
 import os
 
+from pycls_fast.checkpoint.run_record import check_rerun
 from pycls_fast.config import check_launch
 from pycls_fast.datasets.loader import check_data
 from pycls_fast.engine.trainer import train_model
@@ -34,6 +35,7 @@ def main():
     cfg = cfg_from_args(parser.parse_args())
     check_launch(cfg)  # what to run is refused before what to read
     check_data(cfg, ("train", "test"))  # once, before any rank starts
+    check_rerun(cfg)  # a rerun into OUT_DIR keeps what its checkpoints mean
     results = submit_or_launch(train, cfg)
     if results is None:  # not rank 0
         return

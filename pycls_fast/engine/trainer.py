@@ -27,9 +27,11 @@ from yacs.config import CfgNode
 
 from pycls_fast.checkpoint import CheckpointManager, files
 from pycls_fast.checkpoint.remote import PULLED_MARKER, RemoteOut, mirror_dir
+from pycls_fast.checkpoint.run_record import record_config
 from pycls_fast.checkpoint.weights import (
     LoadedWeights,
     checkpoint_channel_order,
+    resolve_start_weights,
 )
 from pycls_fast.components.ema import ema_alpha, update_ema
 from pycls_fast.components.losses import build_loss
@@ -54,7 +56,7 @@ from pycls_fast.components.precision import (
     resolve_amp,
 )
 from pycls_fast.components.spike_guard import SpikeGuard, build_spike_guard
-from pycls_fast.config import dump_cfg, train_stage, with_overrides
+from pycls_fast.config import train_stage, with_overrides
 from pycls_fast.datasets.loader import (
     ImageLoader,
     construct_test_loader,
@@ -747,6 +749,7 @@ def _train(cfg, stop, remote=None):
             remote.local,
             ", ".join(remote.fetched) or "none",
         )
+    cfg = resolve_start_weights(cfg)  # a run folder: its newest checkpoint
     cfg = resolve_channel_order(cfg, cfg.TRAIN.WEIGHTS)
     if cfg.PARALLEL.AUTO:
         # Rank 0's memory for all: every rank must plan the same layout.
@@ -786,8 +789,9 @@ def _train(cfg, stop, remote=None):
     manager = CheckpointManager(parts, before_save=before_save, after_save=after_save)
     start_epoch, start_iter = manager.restore()
     if distributed.is_main():
-        # Only now: a run that fails to start leaves the previous config.yaml as it was.
-        dump_cfg(cfg)
+        # Only now: a run that fails to start leaves the previous config.yaml as it
+        # was; one that changes it keeps the old one in config_history/.
+        record_config(cfg)
 
     # The stop signal is agreed on (a collective and a host read) every
     # TRAIN.PREEMPT_CHECK_PERIOD steps and at the end of each epoch; in one process
@@ -847,7 +851,10 @@ def prepare_test(cfg):
     distributed.check_same_config(cfg)
     seed_everything(cfg.RNG_SEED)
     if not cfg.TEST.WEIGHTS:
-        raise UserError("TEST.WEIGHTS is empty: name the checkpoint to evaluate")
+        raise UserError(
+            "TEST.WEIGHTS is empty: name the checkpoint to evaluate, or evaluate a "
+            "run's newest checkpoint with --run OUT_DIR"
+        )
     path, how = files.resolve_weights(cfg.TEST.WEIGHTS)
     if how != "given":
         logger.info("TEST.WEIGHTS %s: %s", cfg.TEST.WEIGHTS, how)

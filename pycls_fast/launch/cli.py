@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from pycls_fast.checkpoint.files import resolve_weights
 from pycls_fast.checkpoint.retention import best_checkpoint
-from pycls_fast.config import load_cfg
+from pycls_fast.config import load_cfg, with_overrides
 from pycls_fast.errors import UserError, error_line, exit_code
 from pycls_fast.launch.processes import exit_process, under_torchrun
 
@@ -106,6 +106,25 @@ def launcher_world_size() -> int | None:
     """torchrun's (or SLURM's torchrun-like) WORLD_SIZE when a launcher started this
     process, else None: the config's NUM_GPUS then says how many to start."""
     return int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+
+
+def is_training_run(out_dir: str) -> bool:
+    """Whether `out_dir` holds a training run's records (its config.yaml or
+    checkpoints/), which evaluations must not write into."""
+    return os.path.isfile(os.path.join(out_dir, "config.yaml")) or os.path.isdir(
+        os.path.join(out_dir, "checkpoints")
+    )
+
+
+def evaluation_out_dir(cfg):
+    """`cfg` with OUT_DIR made OUT_DIR/eval when OUT_DIR holds a training run (as
+    `--run` does), said on stdout: an evaluation never appends to the run's
+    stdout.log nor rewrites its epoch_stats.csv."""
+    if not is_training_run(cfg.OUT_DIR):
+        return cfg
+    out = os.path.join(cfg.OUT_DIR, EVAL_DIR)
+    print(f"OUT_DIR {cfg.OUT_DIR} holds a training run: this evaluation logs to {out}")
+    return with_overrides(cfg, {"OUT_DIR": out})
 
 
 def run(main: Callable[[], int | None]) -> None:
