@@ -127,6 +127,14 @@ def _crop_range(v: Sequence[float]) -> bool:
     return len(v) == 2 and 0.0 < v[0] <= v[1] <= 1.0
 
 
+def _rgb(v: Sequence[float]) -> bool:
+    return len(v) == 3 and all(isinstance(x, (int, float)) for x in v)
+
+
+def _rgb_positive(v: Sequence[float]) -> bool:
+    return _rgb(v) and all(x > 0 for x in v)
+
+
 def _steps_from_zero(v: Sequence[float]) -> bool:
     return not v or v[0] == 0
 
@@ -720,6 +728,14 @@ _key("DATA.HFLIP", 0.5, ge=0, le=1)
 # TRAIN.WEIGHTS when training) expect: 'bgr' for a pycls checkpoint, the saved order
 # for a pycls_fast one, else 'rgb' (the run's config.yaml records the choice)
 _key("DATA.CHANNEL_ORDER", "auto", choices=["auto", "rgb", "bgr"])
+
+# pycls_fast: per-channel mean subtracted from the [0, 1] RGB pixels before dividing
+# by DATA.STD (pycls's and timm's ImageNet statistics by default; the same for
+# training, evaluation and pycls_fast.engine.inference)
+_key("DATA.MEAN", [0.485, 0.456, 0.406], check=_rgb, rule="3 numbers (R, G, B)")
+
+# pycls_fast: per-channel standard deviation the pixels are divided by, RGB order
+_key("DATA.STD", [0.229, 0.224, 0.225], check=_rgb_positive, rule="3 numbers > 0")
 
 # Cache each split's file index in OUT_DIR/data_index (rescanned when a folder changes)
 _key("DATA.INDEX_CACHE", True)
@@ -1644,6 +1660,20 @@ def use_world_size(cfg: CfgNode, explicit: set[str], world_size: int) -> set[str
         )
     cfg.NUM_GPUS = world_size
     return {"NUM_GPUS"}
+
+
+def load_cfg_text(text: str, opts: Sequence[str] = ()) -> CfgNode:
+    """`load_cfg` of a config held as YAML text (a checkpoint's saved `cfg`)."""
+    try:
+        src = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"saved config is not valid YAML: {e}") from None
+    if not isinstance(src, dict):
+        raise ConfigError("a saved config must hold a mapping of keys")
+    cfg = get_cfg()
+    explicit = _merge(cfg, src)
+    explicit |= merge_from_list(cfg, list(opts))
+    return _finish(cfg, explicit)
 
 
 def with_overrides(cfg: CfgNode, overrides: Mapping[str, Any]) -> CfgNode:
