@@ -135,6 +135,13 @@ def _rgb_positive(v: Sequence[float]) -> bool:
     return _rgb(v) and all(x > 0 for x in v)
 
 
+_SBATCH_ARG = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*(=.*)?$")
+
+
+def _sbatch_args(v: Sequence[str]) -> bool:
+    return all(isinstance(a, str) and _SBATCH_ARG.match(a) for a in v)
+
+
 def _steps_from_zero(v: Sequence[float]) -> bool:
     return not v or v[0] == 0
 
@@ -885,14 +892,30 @@ _key("LAUNCH.COMMENT", "")
 # CPUs per GPU (per task) requested from SLURM
 _key("LAUNCH.CPUS_PER_GPU", 10, gt=0)
 
-# Memory per GPU (per task) in GB requested from SLURM
-_key("LAUNCH.MEM_PER_GPU", 60, gt=0)
+# Memory per GPU (per task) in GB requested from SLURM; 0 = the cluster's default
+# (pycls's FAIR value: 60; configs/launch/pycls_fair.yaml)
+_key("LAUNCH.MEM_PER_GPU", 0, ge=0)
 
-# SLURM partition
-_key("LAUNCH.PARTITION", "devlab")
+# SLURM partition; '' = the cluster's default partition (pycls's FAIR value: devlab)
+_key("LAUNCH.PARTITION", "")
 
-# SLURM GPU type constraint (--constraint; '' for none)
-_key("LAUNCH.GPU_TYPE", "volta")
+# SLURM GPU type constraint (--constraint); '' = none (pycls's FAIR value: volta)
+_key("LAUNCH.GPU_TYPE", "")
+
+# pycls_fast: more sbatch options, each 'name=value' or a bare 'name' flag, e.g.
+# ['account=vision', 'qos=high', 'exclusive'] (--account=vision --qos=high
+# --exclusive); they win over the options the keys above make
+_key(
+    "LAUNCH.SBATCH_ARGS",
+    [],
+    check=_sbatch_args,
+    rule="a list of 'name=value' or 'name'",
+)
+
+# pycls_fast: print the job that would be submitted (sbatch script or submitit
+# parameters, nodes x tasks x GPUs, the command each task runs, the log paths)
+# and submit nothing
+_key("LAUNCH.DRY_RUN", False)
 
 # SLURM time limit in minutes (submitit_local: the job is stopped after it too)
 _key("LAUNCH.TIME_LIMIT", 4200, gt=0)
