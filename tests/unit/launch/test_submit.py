@@ -77,8 +77,8 @@ def test_each_task_is_one_rank_of_the_job():
 
 
 def test_slurm_defaults_are_the_clusters_and_extra_sbatch_args_pass():
-    cfg = _cfg("NUM_GPUS", "8", "LAUNCH.MODE", "slurm",
-               "LAUNCH.SBATCH_ARGS", "['account=vision', 'qos=high', 'exclusive']")  # fmt: skip
+    extra = "['account=vision', 'qos=high', 'exclusive']"
+    cfg = _cfg("NUM_GPUS", "8", "LAUNCH.MODE", "slurm", "LAUNCH.SBATCH_ARGS", extra)
     params = job_parameters(cfg)
     # No partition, memory or constraint: what the cluster defaults to.
     for key in ("slurm_partition", "mem_gb", "slurm_constraint"):
