@@ -769,10 +769,12 @@ def _train(cfg, stop, remote=None):
     )
     logger.info(
         "batch %d images per step (TRAIN.BATCH_SIZE), %d per data-parallel rank; "
-        "%d epoch(s)",
+        "%d epoch(s); lr OPTIM.BASE_LR %g as given (not scaled by the batch size "
+        "or NUM_GPUS)",
         cfg.TRAIN.BATCH_SIZE,
         cfg.TRAIN.BATCH_SIZE // parts.layout.dp,
         cfg.OPTIM.MAX_EPOCH,
+        cfg.OPTIM.BASE_LR,
     )
 
     def before_save(epoch, iteration):
