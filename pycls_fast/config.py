@@ -396,11 +396,14 @@ _key("BN.EPS", 1e-5, gt=0)
 # BN momentum (BN momentum in PyTorch = 1 - BN momentum in Caffe2)
 _key("BN.MOM", 0.1)
 
-# Precise BN stats (pycls; ViT has no BN outside the conv stem)
+# Precise BN stats (pycls): after each training epoch, the BatchNorm running mean and
+# var are recomputed as their average over BN.NUM_SAMPLES_PRECISE training images.
+# Only the conv stem (VIT.STEM_TYPE conv) has BatchNorm; for other models it is a
+# no-op, said once in the log
 _key("BN.USE_PRECISE_STATS", False)
 
-# Number of samples for precise BN stats
-_key("BN.NUM_SAMPLES_PRECISE", 8192)
+# Number of training images (over all processes) for precise BN stats
+_key("BN.NUM_SAMPLES_PRECISE", 8192, gt=0)
 
 # Initialize the gamma of the final BN of each block to zero (pycls; unused by ViT)
 _key("BN.ZERO_INIT_FINAL_GAMMA", False)
@@ -1073,8 +1076,6 @@ IGNORED: dict[str, str] = {
     "ANYNET": "pycls's AnyNet family; pycls_fast builds ViT only",
     "REGNET": "pycls's RegNet family; pycls_fast builds ViT only",
     "EN": "pycls's EfficientNet family; pycls_fast builds ViT only",
-    "BN.USE_PRECISE_STATS": "BN statistics are never recomputed before evaluation",
-    "BN.NUM_SAMPLES_PRECISE": "BN statistics are never recomputed before evaluation",
     "BN.ZERO_INIT_FINAL_GAMMA": "ViT blocks have no BN",
     "OPTIM.GAMMA": "older pycls's 'exp' factor; 'exp' decays to OPTIM.MIN_LR",
     "TRAIN.DATASET": "images are read from DATA.PATH/TRAIN.SPLIT",
@@ -1106,12 +1107,6 @@ _REFUSALS = [
         lambda c: c.MODEL.ACTIVATION_FUN.lower() != "relu",
         "the conv stem uses relu",
         "refused: all but 'relu'",
-    ),
-    _Refusal(
-        "BN.USE_PRECISE_STATS",
-        lambda c: c.BN.USE_PRECISE_STATS,
-        "BN statistics are not recomputed before evaluation; set it False",
-        "refused: True",
     ),
     _Refusal(
         "OPTIM.GAMMA",
@@ -1537,6 +1532,7 @@ def _check_parallel(cfg: CfgNode) -> None:
                 f"({pp}) for the interleaved schedule"
             )
         for key, on in (
+            ("BN.USE_PRECISE_STATS", cfg.BN.USE_PRECISE_STATS),
             ("DISTILL.TYPE", cfg.DISTILL.TYPE != "none"),
             ("TRAIN.ACCUM_STEPS", cfg.TRAIN.ACCUM_STEPS > 1),
         ):

@@ -43,14 +43,13 @@ import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
 from pycls_fast.components.precision import apply_backend_flags, describe_precision
 from pycls_fast.config import with_overrides
-from pycls_fast.datasets.loader import check_data, construct_train_loader
+from pycls_fast.datasets.loader import check_data
 from pycls_fast.engine import inference, timing
 from pycls_fast.engine.trainer import (
     build_components,
@@ -73,26 +72,6 @@ def progress(line):
     """One line of progress on stderr (rank 0)."""
     if distributed.is_main():
         print(f"time_net: {line}", file=sys.stderr, flush=True)
-
-
-def loader_throughput(cfg, batches, budget_s=None):
-    """The train loader's images/s on DATA.PATH, or on a temporary JPEG folder."""
-    if cfg.DATA.PATH:
-        progress(f"loader: up to {batches} batches on {cfg.DATA.PATH}")
-        loader = construct_train_loader(cfg)
-        return timing.time_loader(loader, batches, budget_s=budget_s), cfg.DATA.PATH
-    from pycls_fast.datasets.formats.synthetic import make_image_folder
-
-    # Every rank reads its shard of the folder: enough for all of them.
-    images = cfg.TRAIN.BATCH_SIZE * (batches + 2)
-    progress(f"loader: writing {images} JPEGs, then up to {batches} batches")
-    with tempfile.TemporaryDirectory() as root:
-        make_image_folder(root, splits=("train",), num_classes=4,
-                          images_per_class=-(-images // 4))  # fmt: skip
-        synthetic = with_overrides(cfg, {"DATA.PATH": root, "DATA.INDEX_CACHE": False})
-        loader = construct_train_loader(synthetic)
-        rate = timing.time_loader(loader, batches, budget_s=budget_s)
-    return rate, "synthetic JPEGs (500x375)"
 
 
 def _step_seconds(parts, inputs, targets, iters):
@@ -318,8 +297,8 @@ def measure(cfg, args):
     )
     loader_rate, loader_on = (None, None)
     if not args.no_loader:
-        loader_rate, loader_on = loader_throughput(
-            cfg, args.loader_batches, budget["loader"]
+        loader_rate, loader_on = timing.loader_throughput(
+            cfg, args.loader_batches, budget["loader"], progress
         )
     dtype = timing.compute_dtype(parts)
     progress(f"matmul peak ({str(dtype).replace('torch.', '')})")

@@ -66,6 +66,7 @@ from pycls_fast.datasets.to_device.prefetch import DevicePrefetcher
 from pycls_fast.datasets.to_device.transform import DeviceBatchTransform
 from pycls_fast.engine.distill import Distiller, build_distiller
 from pycls_fast.engine.model_setup import build_model_parts
+from pycls_fast.engine.precise_bn import update_precise_bn
 from pycls_fast.errors import (
     NonFiniteLossError,
     OutDirInUseError,
@@ -831,6 +832,8 @@ def _epochs(parts, manager, results, start_epoch, start_iter, on_iter_end, remot
         _log_stage(cfg, epoch, first=epoch == start_epoch)
         results["train"] = train_epoch(parts, epoch, start_iter, on_iter_end)
         start_iter = 0
+        if cfg.BN.USE_PRECISE_STATS:  # before the epoch's checkpoint (pycls's order)
+            update_precise_bn(parts, epoch)
         last_epoch = epoch + 1 == cfg.OPTIM.MAX_EPOCH
         manager.after_epoch(epoch)
         if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or last_epoch:

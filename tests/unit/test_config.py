@@ -306,7 +306,6 @@ def test_base_inheritance(tmp_path):
         (["DATA.CROP_SCALE", "[0.5, 0.2]"], "DATA.CROP_SCALE must be [min, max]"),
         (["DATA.HFLIP", "1.5"], "DATA.HFLIP must be in [0, 1], got 1.5"),
         (["MODEL.ACTIVATION_FUN", "silu"], "MODEL.ACTIVATION_FUN 'silu' is not impl"),
-        (["BN.USE_PRECISE_STATS", "True"], "BN.USE_PRECISE_STATS True is not impl"),
         (["DATA_LOADER.MODE", "ffcv"], "DATA_LOADER.MODE 'ffcv' is not implemented"),
         (
             ["OPTIM.LR_POLICY", "exp", "OPTIM.GAMMA", "0.5"],
