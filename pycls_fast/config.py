@@ -1237,15 +1237,30 @@ def merge_from_file(cfg: CfgNode, path: str) -> set[str]:
         with open(path) as f:
             src = yaml.safe_load(f) or {}
     except yaml.YAMLError as e:
-        first = str(e).splitlines()[0] if str(e) else "invalid YAML"
-        raise ConfigError(f"config file {path} is not valid YAML: {first}") from None
+        raise ConfigError(
+            f"config file {path} is not valid YAML{_yaml_where(e)}"
+        ) from None
     if not isinstance(src, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys")
     done = set()
     if "_BASE_" in src:
         base = os.path.join(os.path.dirname(path), src.pop("_BASE_"))
         done |= merge_from_file(cfg, base)
-    return done | _merge(cfg, src)
+    try:
+        return done | _merge(cfg, src)
+    except ConfigError as e:
+        if "unknown config key" not in str(e):
+            raise
+        raise ConfigError(f"{e} (in {path})") from None
+
+
+def _yaml_where(e: yaml.YAMLError) -> str:
+    """' at line L, column C: what' of a YAML error (1-based, as editors count)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or (str(e).splitlines() or ["invalid"])[0]
+    if mark is None:
+        return f": {problem}"
+    return f" at line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 def _nest(key: str, value: Any) -> dict:

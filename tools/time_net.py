@@ -39,6 +39,7 @@ timm's benchmark.py column names:
 import csv
 import functools
 import json
+import os
 import platform
 import resource
 import statistics
@@ -66,6 +67,13 @@ from pycls_fast.runtime import distributed
 # Shares of --seconds: the train step, evaluation, the loader (the matmul peak and
 # the model build take the rest).
 SHARES = {"train": 0.45, "test": 0.2, "loader": 0.2}
+
+
+def config_name(args):
+    """What the timed config is called: its file, or the run it came from."""
+    if args.cfg_file:
+        return args.cfg_file
+    return f"{os.path.join(args.run, 'config.yaml')} (--run)"
 
 
 def progress(line):
@@ -167,7 +175,7 @@ def print_parallel(records, args):
             f"{states} MB; peak host RSS per rank: {rss} MB{gpu}"
         )
     if args.json:
-        print(json.dumps({"config": args.cfg_file, "parallel": records}))
+        print(json.dumps({"config": config_name(args), "parallel": records}))
 
 
 def main():
@@ -308,7 +316,7 @@ def measure(cfg, args):
     achieved = timing.train_flops(flops, batch) / train["step_s"] / devices
     bottleneck = min(train_rate, loader_rate * world) if loader_rate else train_rate
     record = {
-        "config": args.cfg_file,
+        "config": config_name(args),
         "device": str(parts.device),
         "precision": describe_precision(parts.mode, parts.half_dtype),
         "batch_per_process": batch,
@@ -342,9 +350,7 @@ def report(record, args):
         r["train_img_per_s"],
     )
     loader_rate, loader_on = r["loader_img_per_s"], r.pop("loader_on")
-    print(
-        f"{args.cfg_file} on {r['device']} ({r['precision']}), batch {batch} x {world}"
-    )
+    print(f"{r['config']} on {r['device']} ({r['precision']}), batch {batch} x {world}")
     print(
         f"  forward {r['fwd_ms']:.1f} ms, forward+backward {r['fwd_bwd_ms']:.1f} ms, "
         f"full step {r['step_ms']:.1f} ms (interleaved medians)"

@@ -40,6 +40,7 @@ from pycls_fast.components.optimizer import (
     construct_optimizer,
     lr_at,
     param_groups,
+    schedule_warnings,
     set_lr,
     split_by_tensor_kind,
 )
@@ -777,6 +778,8 @@ def _train(cfg, stop, remote=None):
         cfg.OPTIM.MAX_EPOCH,
         cfg.OPTIM.BASE_LR,
     )
+    for warning in schedule_warnings(cfg):
+        logger.warning("warning: %s", warning)
 
     def before_save(epoch, iteration):
         # No checkpoint of weights that a non-finite loss has already touched; the

@@ -27,6 +27,10 @@ def trained(digits, tmp_path_factory):
     args = ["--cfg", DIGITS_CFG, "DATA.PATH", digits, *SMALL, "OUT_DIR", out]
     result = run_tool("train_net.py", *args, "OPTIM.MAX_EPOCH", "1")
     assert result.returncode == 0, result.stderr
+    # The demo's 2 warmup epochs in a 1-epoch run: said in the start-up log.
+    assert "OPTIM.WARMUP_EPOCHS (2) >= OPTIM.MAX_EPOCH (1): the run ends before" in (
+        _read(os.path.join(out, "stdout.log"))
+    )
     return out, args
 
 
@@ -105,3 +109,12 @@ def test_run_folder_as_train_weights(trained, tmp_path):
     log = _read(str(tmp_path / "ft" / "stdout.log"))
     assert f"TRAIN.WEIGHTS {out}: newest in {os.path.join(out, 'checkpoints')}" in log
     assert "loaded model weights of" in log
+
+
+def test_time_net_of_a_run_names_its_config(trained):
+    out, _ = trained
+    quick = ["PREC_TIME.NUM_ITER", "2", "PREC_TIME.WARMUP_ITER", "1"]
+    result = run_tool("time_net.py", "--run", out, "--loader-batches", "1", *quick)
+    assert result.returncode == 0, result.stderr
+    assert f"{os.path.join(out, 'config.yaml')} (--run) on cpu (" in result.stdout
+    assert "None" not in result.stdout

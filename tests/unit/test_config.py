@@ -354,13 +354,18 @@ def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
         load_cfg(str(tmp_path / "nope.yaml"))
     bad = tmp_path / "bad.yaml"
-    bad.write_text("VIT: [unclosed\n")
-    with pytest.raises(ConfigError, match="is not valid YAML"):
+    bad.write_text("VIT:\n  PATCH_SIZE: 8\n  NUM_LAYERS: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML at line 4, column 1: "):
         load_cfg(str(bad))
     typo = tmp_path / "typo.yaml"
     typo.write_text("TRAIN:\n  BATCHSIZE: 3\n")
     with pytest.raises(ConfigError, match="did you mean 'TRAIN.BATCH_SIZE'"):
         load_cfg(str(typo))
+    # A typo in a _BASE_ file names that file, not the one that includes it.
+    child = tmp_path / "child.yaml"
+    child.write_text("_BASE_: typo.yaml\nOPTIM:\n  BASE_LR: 0.1\n")
+    with pytest.raises(ConfigError, match=r"BATCH_SIZE'\?\) \(in .*typo.yaml\)$"):
+        load_cfg(str(child))
 
 
 def test_dump_round_trip(tmp_path):
