@@ -16,6 +16,7 @@ what the new schedule does to the learning rate.
 import logging
 import os
 
+import torch
 import yaml
 from yacs.config import CfgNode
 
@@ -84,7 +85,11 @@ def saved_config_text(path: str) -> str | None:
     if files.is_sharded(path):
         text = sharded.read_meta(path).get("cfg")
     else:
-        checkpoint = files.load_checkpoint(path)
+        try:  # memory-mapped: the tensors are not read, only the small values
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True,
+                                    mmap=True)  # fmt: skip
+        except Exception:  # noqa: BLE001 - an old or odd file: read it whole
+            checkpoint = files.load_checkpoint(path)
         text = checkpoint.get("cfg") if isinstance(checkpoint, dict) else None
     return text if isinstance(text, str) else None
 
