@@ -2,9 +2,12 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# The runtime (requirements-runtime.lock: the demo's and the tools' packages), then
+# the test stack on top (requirements.lock: pytest, ruff, moto's server, ...).
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup test test-unit test-integration test-slow slurm lint format demo sweep-demo \
+.PHONY: setup setup-dev test test-unit test-integration test-slow slurm lint format demo sweep-demo \
 	distill-demo \
 	check-node bench bench-dist bench-attention \
 	bench-loader bench-index bench-shards bench-loader-scaling \
@@ -13,24 +16,30 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): requirements.lock setup.py
+$(STAMP): requirements-runtime.lock setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -r requirements.lock
+	$(PY) -m pip install --quiet -r requirements-runtime.lock
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+setup-dev: $(DEV_STAMP)
+
+$(DEV_STAMP): $(STAMP) requirements.lock
+	$(PY) -m pip install --quiet -r requirements.lock
+	touch $(DEV_STAMP)
 
 # Everything (what CI runs): lint, then unit and integration tests. SLURM (for the
 # cluster tests, tests/slurm/cluster.sh) is installed when missing and this is root
 # with apt-get; otherwise those tests skip and say why (under CI=true they fail).
-test: setup lint slurm
+test: setup-dev lint slurm
 	$(PY) -m pytest -q
 
 # In-process tests only (about a minute): tests/unit.
-test-unit: setup
+test-unit: setup-dev
 	$(PY) -m pytest -q tests/unit
 
 # Subprocesses, signals, process groups, benchmarks' smoke runs: tests/integration.
-test-integration: setup slurm
+test-integration: setup-dev slurm
 	$(PY) -m pytest -q tests/integration
 
 # Under CI=true a failed install fails the run (cluster.sh says why); elsewhere the
@@ -40,11 +49,11 @@ slurm:
 	  if [ "$$CI" = true ]; then echo "SLURM install failed under CI=true"; exit 1; fi; \
 	  echo "SLURM not installed: the SLURM tests will skip"; }
 
-lint: setup
+lint: setup-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-format: setup
+format: setup-dev
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
@@ -86,7 +95,7 @@ mutation: setup
 	$(PY) tools/mutation.py --per-module $(MUTANTS)
 
 # Scenario tests marked slow (also part of `make test`), alone.
-test-slow: setup
+test-slow: setup-dev
 	$(PY) -m pytest -q -m slow
 
 # Checks a new node: devices, AMP modes, DDP vs FSDP, all-reduce, matmul peaks, loader.

@@ -34,6 +34,8 @@ setup(
     extras_require={
         # s3fs and moto's server: the remote-storage tests run against a real
         # S3-compatible server on 127.0.0.1.
+        # The embedded demo's dataset (tools/prepare_digits.py).
+        "demo": ["scikit-learn>=1.3"],
         "dev": [
             "pytest>=8",
             "pytest-timeout>=2",

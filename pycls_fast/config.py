@@ -127,6 +127,21 @@ def _crop_range(v: Sequence[float]) -> bool:
     return len(v) == 2 and 0.0 < v[0] <= v[1] <= 1.0
 
 
+def _rgb(v: Sequence[float]) -> bool:
+    return len(v) == 3 and all(isinstance(x, (int, float)) for x in v)
+
+
+def _rgb_positive(v: Sequence[float]) -> bool:
+    return _rgb(v) and all(x > 0 for x in v)
+
+
+_SBATCH_ARG = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*(=.*)?$")
+
+
+def _sbatch_args(v: Sequence[str]) -> bool:
+    return all(isinstance(a, str) and _SBATCH_ARG.match(a) for a in v)
+
+
 def _steps_from_zero(v: Sequence[float]) -> bool:
     return not v or v[0] == 0
 
@@ -381,11 +396,14 @@ _key("BN.EPS", 1e-5, gt=0)
 # BN momentum (BN momentum in PyTorch = 1 - BN momentum in Caffe2)
 _key("BN.MOM", 0.1)
 
-# Precise BN stats (pycls; ViT has no BN outside the conv stem)
+# Precise BN stats (pycls): after each training epoch, the BatchNorm running mean and
+# var are recomputed as their average over BN.NUM_SAMPLES_PRECISE training images.
+# Only the conv stem (VIT.STEM_TYPE conv) has BatchNorm; for other models it is a
+# no-op, said once in the log
 _key("BN.USE_PRECISE_STATS", False)
 
-# Number of samples for precise BN stats
-_key("BN.NUM_SAMPLES_PRECISE", 8192)
+# Number of training images (over all processes) for precise BN stats
+_key("BN.NUM_SAMPLES_PRECISE", 8192, gt=0)
 
 # Initialize the gamma of the final BN of each block to zero (pycls; unused by ViT)
 _key("BN.ZERO_INIT_FINAL_GAMMA", False)
@@ -564,6 +582,13 @@ _key("TRAIN.CHECKPOINT_ASYNC", False)
 # Resume training from the newest complete checkpoint in OUT_DIR
 _key("TRAIN.AUTO_RESUME", True)
 
+# pycls_fast: keys (comma-separated, or 'all') whose change from the config of the
+# checkpoints in OUT_DIR a rerun accepts. A change that alters what the checkpoints
+# mean (model, optimizer, schedule, data) is otherwise refused, naming the keys;
+# logging, loader, launch and checkpoint-cadence keys may change freely. Accepted
+# changes are logged, and the replaced config.yaml is kept in OUT_DIR/config_history
+_key("TRAIN.ACCEPT_CHANGES", "")
+
 # pycls_fast: under several processes, agree on a stop signal (SIGTERM, Ctrl-C;
 # one collective and one host read) every this many iterations and at the end of
 # each epoch, so a stopped run exits within this many steps (one process: every
@@ -721,6 +746,14 @@ _key("DATA.HFLIP", 0.5, ge=0, le=1)
 # for a pycls_fast one, else 'rgb' (the run's config.yaml records the choice)
 _key("DATA.CHANNEL_ORDER", "auto", choices=["auto", "rgb", "bgr"])
 
+# pycls_fast: per-channel mean subtracted from the [0, 1] RGB pixels before dividing
+# by DATA.STD (pycls's and timm's ImageNet statistics by default; the same for
+# training, evaluation and pycls_fast.engine.inference)
+_key("DATA.MEAN", [0.485, 0.456, 0.406], check=_rgb, rule="3 numbers (R, G, B)")
+
+# pycls_fast: per-channel standard deviation the pixels are divided by, RGB order
+_key("DATA.STD", [0.229, 0.224, 0.225], check=_rgb_positive, rule="3 numbers > 0")
+
 # Cache each split's file index in OUT_DIR/data_index (rescanned when a folder changes)
 _key("DATA.INDEX_CACHE", True)
 
@@ -869,14 +902,30 @@ _key("LAUNCH.COMMENT", "")
 # CPUs per GPU (per task) requested from SLURM
 _key("LAUNCH.CPUS_PER_GPU", 10, gt=0)
 
-# Memory per GPU (per task) in GB requested from SLURM
-_key("LAUNCH.MEM_PER_GPU", 60, gt=0)
+# Memory per GPU (per task) in GB requested from SLURM; 0 = the cluster's default
+# (pycls's FAIR value: 60; configs/launch/pycls_fair.yaml)
+_key("LAUNCH.MEM_PER_GPU", 0, ge=0)
 
-# SLURM partition
-_key("LAUNCH.PARTITION", "devlab")
+# SLURM partition; '' = the cluster's default partition (pycls's FAIR value: devlab)
+_key("LAUNCH.PARTITION", "")
 
-# SLURM GPU type constraint (--constraint; '' for none)
-_key("LAUNCH.GPU_TYPE", "volta")
+# SLURM GPU type constraint (--constraint); '' = none (pycls's FAIR value: volta)
+_key("LAUNCH.GPU_TYPE", "")
+
+# pycls_fast: more sbatch options, each 'name=value' or a bare 'name' flag, e.g.
+# ['account=vision', 'qos=high', 'exclusive'] (--account=vision --qos=high
+# --exclusive); they win over the options the keys above make
+_key(
+    "LAUNCH.SBATCH_ARGS",
+    [],
+    check=_sbatch_args,
+    rule="a list of 'name=value' or 'name'",
+)
+
+# pycls_fast: print the job that would be submitted (sbatch script or submitit
+# parameters, nodes x tasks x GPUs, the command each task runs, the log paths)
+# and submit nothing
+_key("LAUNCH.DRY_RUN", False)
 
 # SLURM time limit in minutes (submitit_local: the job is stopped after it too)
 _key("LAUNCH.TIME_LIMIT", 4200, gt=0)
@@ -1069,8 +1118,6 @@ IGNORED: dict[str, str] = {
     "ANYNET": "pycls's AnyNet family; pycls_fast builds ViT only",
     "REGNET": "pycls's RegNet family; pycls_fast builds ViT only",
     "EN": "pycls's EfficientNet family; pycls_fast builds ViT only",
-    "BN.USE_PRECISE_STATS": "BN statistics are never recomputed before evaluation",
-    "BN.NUM_SAMPLES_PRECISE": "BN statistics are never recomputed before evaluation",
     "BN.ZERO_INIT_FINAL_GAMMA": "ViT blocks have no BN",
     "OPTIM.GAMMA": "older pycls's 'exp' factor; 'exp' decays to OPTIM.MIN_LR",
     "TRAIN.DATASET": "images are read from DATA.PATH/TRAIN.SPLIT",
@@ -1102,12 +1149,6 @@ _REFUSALS = [
         lambda c: c.MODEL.ACTIVATION_FUN.lower() != "relu",
         "the conv stem uses relu",
         "refused: all but 'relu'",
-    ),
-    _Refusal(
-        "BN.USE_PRECISE_STATS",
-        lambda c: c.BN.USE_PRECISE_STATS,
-        "BN statistics are not recomputed before evaluation; set it False",
-        "refused: True",
     ),
     _Refusal(
         "OPTIM.GAMMA",
@@ -1238,15 +1279,30 @@ def merge_from_file(cfg: CfgNode, path: str) -> set[str]:
         with open(path) as f:
             src = yaml.safe_load(f) or {}
     except yaml.YAMLError as e:
-        first = str(e).splitlines()[0] if str(e) else "invalid YAML"
-        raise ConfigError(f"config file {path} is not valid YAML: {first}") from None
+        raise ConfigError(
+            f"config file {path} is not valid YAML{_yaml_where(e)}"
+        ) from None
     if not isinstance(src, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys")
     done = set()
     if "_BASE_" in src:
         base = os.path.join(os.path.dirname(path), src.pop("_BASE_"))
         done |= merge_from_file(cfg, base)
-    return done | _merge(cfg, src)
+    try:
+        return done | _merge(cfg, src)
+    except ConfigError as e:
+        if "unknown config key" not in str(e):
+            raise
+        raise ConfigError(f"{e} (in {path})") from None
+
+
+def _yaml_where(e: yaml.YAMLError) -> str:
+    """' at line L, column C: what' of a YAML error (1-based, as editors count)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or (str(e).splitlines() or ["invalid"])[0]
+    if mark is None:
+        return f": {problem}"
+    return f" at line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 def _nest(key: str, value: Any) -> dict:
@@ -1386,6 +1442,7 @@ def check_cfg(cfg: CfgNode) -> None:
         if _get(cfg, key) % dp:
             raise ConfigError(f"{key} ({_get(cfg, key)}) must be divisible by {ranks}")
     _check_distill(cfg)
+    _check_accept_changes(cfg.TRAIN.ACCEPT_CHANGES)
     if cfg.TRAIN.BCE_BINARY_TARGETS and cfg.TRAIN.BCE_TARGET_THRESH:
         raise ConfigError(
             "TRAIN.BCE_BINARY_TARGETS True is the threshold 0: leave "
@@ -1532,6 +1589,7 @@ def _check_parallel(cfg: CfgNode) -> None:
                 f"({pp}) for the interleaved schedule"
             )
         for key, on in (
+            ("BN.USE_PRECISE_STATS", cfg.BN.USE_PRECISE_STATS),
             ("DISTILL.TYPE", cfg.DISTILL.TYPE != "none"),
             ("TRAIN.ACCUM_STEPS", cfg.TRAIN.ACCUM_STEPS > 1),
         ):
@@ -1542,6 +1600,17 @@ def _check_parallel(cfg: CfgNode) -> None:
                     if key == "TRAIN.ACCUM_STEPS"
                     else f"{key} is not supported with PARALLEL.PP > 1"
                 )
+
+
+def _check_accept_changes(value: str) -> None:
+    """Every name in TRAIN.ACCEPT_CHANGES is a config key (or 'all')."""
+    known = _flat_keys(_DEFAULTS)
+    for name in (k.strip() for k in value.split(",")):
+        if name and name != "all" and name not in known:
+            raise ConfigError(
+                f"TRAIN.ACCEPT_CHANGES: {name!r} is not a config key"
+                f"{_suggest(name, known)}"
+            )
 
 
 def _check_distill(cfg: CfgNode) -> None:
@@ -1667,6 +1736,20 @@ def use_world_size(cfg: CfgNode, explicit: set[str], world_size: int) -> set[str
         )
     cfg.NUM_GPUS = world_size
     return {"NUM_GPUS"}
+
+
+def load_cfg_text(text: str, opts: Sequence[str] = ()) -> CfgNode:
+    """`load_cfg` of a config held as YAML text (a checkpoint's saved `cfg`)."""
+    try:
+        src = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"saved config is not valid YAML: {e}") from None
+    if not isinstance(src, dict):
+        raise ConfigError("a saved config must hold a mapping of keys")
+    cfg = get_cfg()
+    explicit = _merge(cfg, src)
+    explicit |= merge_from_list(cfg, list(opts))
+    return _finish(cfg, explicit)
 
 
 def with_overrides(cfg: CfgNode, overrides: Mapping[str, Any]) -> CfgNode:

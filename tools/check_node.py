@@ -19,7 +19,6 @@ import functools
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -35,9 +34,6 @@ from pycls_fast.launch.processes import launch
 from pycls_fast.runtime import distributed
 from pycls_fast.runtime.device_info import cuda_unusable_reason, describe_device
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from time_net import loader_throughput  # noqa: E402 - a sibling tool
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
 # The training checks use a tiny fixed model whatever --cfg says.
@@ -52,6 +48,13 @@ def _row(check, result, verdict="ok", fix=""):
     return {"check": check, "result": result, "verdict": verdict, "fix": fix}
 
 
+def _amp(mode):
+    """The overrides of one AMP mode, pycls's aliases off: the checks set the mode
+    themselves, and the config's TRAIN.MIXED_PRECISION is no mistake to warn of."""
+    return {"AMP.MODE": mode, "TRAIN.MIXED_PRECISION": False,
+            "FSDP.MIXED_PRECISION": False}  # fmt: skip
+
+
 def _losses(cfg, steps):
     """Training losses of `steps` steps of `cfg` on one fixed synthetic batch."""
     seed_everything(cfg.RNG_SEED)
@@ -62,10 +65,10 @@ def _losses(cfg, steps):
 
 def check_amp(cfg, steps, tolerance):
     """Each AMP mode's final loss against fp32's."""
-    reference = _losses(with_overrides(cfg, {"AMP.MODE": "fp32"}), steps)[-1]
+    reference = _losses(with_overrides(cfg, _amp("fp32")), steps)[-1]
     rows = []
     for mode in ("O1", "O2", "O3"):
-        loss = _losses(with_overrides(cfg, {"AMP.MODE": mode}), steps)[-1]
+        loss = _losses(with_overrides(cfg, _amp(mode)), steps)[-1]
         gap = abs(loss - reference) / max(abs(reference), 1e-12)
         result = f"loss {loss:.4f} vs fp32 {reference:.4f} ({100 * gap:.1f}%)"
         ok = gap <= tolerance
@@ -84,9 +87,7 @@ def _parallel_worker(cfg, steps):
     """On every rank: DDP and FSDP losses, and the all-reduce bus bandwidth."""
     out = {}
     for mode in ("ddp", "fsdp"):
-        variant = with_overrides(
-            cfg, {"FSDP.ENABLED": mode == "fsdp", "AMP.MODE": "fp32"}
-        )
+        variant = with_overrides(cfg, {"FSDP.ENABLED": mode == "fsdp", **_amp("fp32")})
         out[mode] = _losses(variant, steps)[-1]
     world = distributed.world_size()
     on = distributed.device() if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -112,8 +113,8 @@ def check_parallel(cfg, steps):
     if gpus == 1:
         reason = "one GPU: DDP / FSDP parity and all-reduce need two devices"
         return [
-            _row("DDP vs FSDP", "skipped", "skipped", reason),
-            _row("all-reduce bus bandwidth", "skipped", "skipped", reason),
+            _row("DDP vs FSDP", reason, "skipped"),
+            _row("all-reduce bus bandwidth", reason, "skipped"),
         ]
     world = gpus or 2
     backend = "nccl" if gpus else "gloo"
@@ -177,7 +178,7 @@ def _loader_rates(cfg, steps):
     parts = build_components(cfg, loaders=False)
     batch = cfg.TRAIN.BATCH_SIZE
     train = timing.time_train(parts, batch, 1, steps, budget_s=20.0)
-    rate, on = loader_throughput(cfg, 2, budget_s=20.0)
+    rate, on = timing.loader_throughput(cfg, 2, budget_s=20.0)
     return batch / train["step_s"], rate, on
 
 
@@ -253,9 +254,7 @@ def main():
     if "loader" in chosen:
         rows += check_loader(cfg, args.cfg_file, args.steps)
     if device.type == "cpu" and "device" in chosen:
-        rows.append(
-            _row("GPU checks", "skipped", "skipped", "no GPU: NCCL, TF32, GPU memory")
-        )
+        rows.append(_row("GPU checks", "no GPU: NCCL, TF32, GPU memory", "skipped"))
     print_table(rows)
     if args.json:
         print(json.dumps({"rows": rows}))

@@ -16,7 +16,13 @@ import os
 import torch
 
 from pycls_fast.config import load_cfg
-from pycls_fast.launch.cli import config_parser, require_config, run, run_config_file
+from pycls_fast.launch.cli import (
+    cfg_file_and_opts,
+    config_parser,
+    require_config,
+    run,
+    run_config_file,
+)
 from pycls_fast.models import build_model, complexity
 
 
@@ -47,7 +53,9 @@ def main():
     if args.run:
         paths.append(run_config_file(args.run))
     # Every config is checked before anything is printed.
-    cfgs = [(path, load_cfg(path, args.opts or [])) for path in paths]
+    cfgs = [
+        (path, load_cfg(*cfg_file_and_opts(path, args.opts or []))) for path in paths
+    ]
     for path, cfg in cfgs:
         cx = complexity(cfg)
         if args.json:

@@ -23,7 +23,12 @@ from pycls_fast.engine.evaluation import (
     write_report,
 )
 from pycls_fast.engine.trainer import test_model
-from pycls_fast.launch.cli import cfg_from_args, config_parser, run
+from pycls_fast.launch.cli import (
+    cfg_from_args,
+    config_parser,
+    evaluation_out_dir,
+    run,
+)
 from pycls_fast.launch.submit import submit_or_launch
 from pycls_fast.storage import is_remote
 
@@ -40,7 +45,7 @@ def main():
     parser = config_parser(
         "Evaluate TEST.WEIGHTS on DATA.PATH/TEST.SPLIT.", run=True, best=True
     )
-    cfg = cfg_from_args(parser.parse_args())
+    cfg = evaluation_out_dir(cfg_from_args(parser.parse_args()))
     check_launch(cfg)  # what to run is refused before what to read
     check_data(cfg, ("test",))  # once, before any rank starts
     for split in cfg.TEST.EXTRA_SPLITS:

@@ -39,18 +39,18 @@ timm's benchmark.py column names:
 import csv
 import functools
 import json
+import os
 import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
 from pycls_fast.components.precision import apply_backend_flags, describe_precision
 from pycls_fast.config import with_overrides
-from pycls_fast.datasets.loader import check_data, construct_train_loader
+from pycls_fast.datasets.loader import check_data
 from pycls_fast.engine import inference, timing
 from pycls_fast.engine.trainer import (
     build_components,
@@ -69,30 +69,17 @@ from pycls_fast.runtime import distributed
 SHARES = {"train": 0.45, "test": 0.2, "loader": 0.2}
 
 
+def config_name(args):
+    """What the timed config is called: its file, or the run it came from."""
+    if args.cfg_file:
+        return args.cfg_file
+    return f"{os.path.join(args.run, 'config.yaml')} (--run)"
+
+
 def progress(line):
     """One line of progress on stderr (rank 0)."""
     if distributed.is_main():
         print(f"time_net: {line}", file=sys.stderr, flush=True)
-
-
-def loader_throughput(cfg, batches, budget_s=None):
-    """The train loader's images/s on DATA.PATH, or on a temporary JPEG folder."""
-    if cfg.DATA.PATH:
-        progress(f"loader: up to {batches} batches on {cfg.DATA.PATH}")
-        loader = construct_train_loader(cfg)
-        return timing.time_loader(loader, batches, budget_s=budget_s), cfg.DATA.PATH
-    from pycls_fast.datasets.formats.synthetic import make_image_folder
-
-    # Every rank reads its shard of the folder: enough for all of them.
-    images = cfg.TRAIN.BATCH_SIZE * (batches + 2)
-    progress(f"loader: writing {images} JPEGs, then up to {batches} batches")
-    with tempfile.TemporaryDirectory() as root:
-        make_image_folder(root, splits=("train",), num_classes=4,
-                          images_per_class=-(-images // 4))  # fmt: skip
-        synthetic = with_overrides(cfg, {"DATA.PATH": root, "DATA.INDEX_CACHE": False})
-        loader = construct_train_loader(synthetic)
-        rate = timing.time_loader(loader, batches, budget_s=budget_s)
-    return rate, "synthetic JPEGs (500x375)"
 
 
 def _step_seconds(parts, inputs, targets, iters):
@@ -188,7 +175,7 @@ def print_parallel(records, args):
             f"{states} MB; peak host RSS per rank: {rss} MB{gpu}"
         )
     if args.json:
-        print(json.dumps({"config": args.cfg_file, "parallel": records}))
+        print(json.dumps({"config": config_name(args), "parallel": records}))
 
 
 def main():
@@ -318,8 +305,8 @@ def measure(cfg, args):
     )
     loader_rate, loader_on = (None, None)
     if not args.no_loader:
-        loader_rate, loader_on = loader_throughput(
-            cfg, args.loader_batches, budget["loader"]
+        loader_rate, loader_on = timing.loader_throughput(
+            cfg, args.loader_batches, budget["loader"], progress
         )
     dtype = timing.compute_dtype(parts)
     progress(f"matmul peak ({str(dtype).replace('torch.', '')})")
@@ -329,7 +316,7 @@ def measure(cfg, args):
     achieved = timing.train_flops(flops, batch) / train["step_s"] / devices
     bottleneck = min(train_rate, loader_rate * world) if loader_rate else train_rate
     record = {
-        "config": args.cfg_file,
+        "config": config_name(args),
         "device": str(parts.device),
         "precision": describe_precision(parts.mode, parts.half_dtype),
         "batch_per_process": batch,
@@ -363,9 +350,7 @@ def report(record, args):
         r["train_img_per_s"],
     )
     loader_rate, loader_on = r["loader_img_per_s"], r.pop("loader_on")
-    print(
-        f"{args.cfg_file} on {r['device']} ({r['precision']}), batch {batch} x {world}"
-    )
+    print(f"{r['config']} on {r['device']} ({r['precision']}), batch {batch} x {world}")
     print(
         f"  forward {r['fwd_ms']:.1f} ms, forward+backward {r['fwd_bwd_ms']:.1f} ms, "
         f"full step {r['step_ms']:.1f} ms (interleaved medians)"

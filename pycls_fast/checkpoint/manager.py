@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 # run the package's __init__, which imports this module.
 import pycls_fast.checkpoint.files as files
 import pycls_fast.checkpoint.retention as retention
+import pycls_fast.checkpoint.run_record as run_record
 import pycls_fast.checkpoint.sharded as sharded
 from pycls_fast.checkpoint.async_writer import FileWrite, HostStager, ShardedWrite
 from pycls_fast.checkpoint.cadence import (
@@ -37,6 +38,7 @@ from pycls_fast.checkpoint.cadence import (
     stop_checkpoint,
 )
 from pycls_fast.checkpoint.state import GlobalRng
+from pycls_fast.checkpoint.weights import describe_misfits
 from pycls_fast.errors import CheckpointError, Stopped, UserError
 from pycls_fast.parallel.data_parallel import sharded_checkpoints
 from pycls_fast.runtime import distributed
@@ -108,9 +110,31 @@ def _wrong_layout(path, sharded_file):
     )
 
 
-def _mismatch(path, e):
+def _mismatch(path, e, parts=None, state=None):
+    """The one line of a checkpoint that does not load: the first tensors that
+    differ (names and shapes) and the config keys that differ from the checkpoint's
+    (`state`: its dict, when read), else the loader's first line."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return CheckpointError(f"checkpoint {path} does not fit this model/config: {first}")
+    what = []
+    if parts is not None and isinstance(state, dict):
+        model_state = state.get("model_state")
+        if isinstance(model_state, dict):
+            what += describe_misfits(model_state, parts.model.state_dict())
+        if isinstance(state.get("cfg"), str):
+            keys = [
+                f"{k} {a!r} -> {b!r}"
+                for k, a, b in run_record.differing_keys(state["cfg"], parts.cfg)
+                if not run_record.is_safe(k)
+            ]
+            if keys:
+                what.append(
+                    "config keys that differ from the checkpoint's: "
+                    + ", ".join(keys[:6])
+                )
+    detail = "; ".join(what) if what else first
+    return CheckpointError(
+        f"checkpoint {path} does not fit this model/config: {detail}"
+    )
 
 
 def restore(parts, path: str):
@@ -135,7 +159,7 @@ def restore(parts, path: str):
             parts.model.load_state_dict(state["model_state"])
             parts.optimizer.load_state_dict(state["optimizer_state"])
         except (KeyError, RuntimeError, ValueError) as e:
-            raise _mismatch(path, e) from None
+            raise _mismatch(path, e, parts, state) from None
         if parts.ema is not None and "ema_state" in state:
             parts.ema.load_state_dict(state["ema_state"])
         if parts.master is not None and "master_state" in state:

@@ -1,18 +1,23 @@
 """Loading a checkpoint's weights into a model (TRAIN.WEIGHTS, TEST.WEIGHTS)."""
 
+import logging
 import math
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 import torch
 import yaml
+from yacs.config import CfgNode
 
-from pycls_fast.checkpoint.files import is_sharded, load_checkpoint
+from pycls_fast.checkpoint.files import is_sharded, load_checkpoint, resolve_weights
 from pycls_fast.checkpoint.sharded import CheckpointTensors, read_meta
+from pycls_fast.config import with_overrides
 from pycls_fast.errors import CheckpointError
 from pycls_fast.models.pycls_compat import is_pycls_main
 from pycls_fast.models.timm_compat import unwrap_state_dict
 from pycls_fast.parallel.materialize import copy_full_tensors
+
+logger = logging.getLogger(__name__)
 
 HEAD = "head."
 RESET_HINT = "set TRAIN.RESET_HEAD True to re-initialise the classifier"
@@ -101,6 +106,24 @@ def _misfit(state: dict, ours: dict, allow_missing_head: bool, reset_head: bool)
             text += f" (another class count: {RESET_HINT})"
         return text
     return None
+
+
+def describe_misfits(state: dict, ours: dict, most: int = 3) -> list[str]:
+    """The first `most` tensors that keep `state` from fitting a model of state dict
+    `ours`, in words: shapes that differ, then missing and unknown names."""
+    wrong = [k for k in ours if k in state and state[k].shape != ours[k].shape]
+    lines = [
+        f"{k} is {tuple(state[k].shape)} in the checkpoint, {tuple(ours[k].shape)} "
+        "in the model"
+        for k in wrong[:most]
+    ]
+    missing = [k for k in ours if k not in state]
+    unexpected = [k for k in state if k not in ours]
+    if missing:
+        lines.append(f"the checkpoint lacks {', '.join(missing[:most])}")
+    if unexpected:
+        lines.append(f"the model has no {', '.join(unexpected[:most])}")
+    return lines
 
 
 def is_pycls_checkpoint(checkpoint) -> bool:
@@ -255,3 +278,16 @@ def load_model_weights(
         why=why,
         notes=[note] if note else [],
     )
+
+
+def resolve_start_weights(cfg: CfgNode) -> CfgNode:
+    """`cfg` with TRAIN.WEIGHTS made the checkpoint it names: a run or checkpoints
+    folder becomes its newest complete checkpoint (as TEST.WEIGHTS), logged; the
+    run's config.yaml then records the file it started from."""
+    if not cfg.TRAIN.WEIGHTS:
+        return cfg
+    path, how = resolve_weights(cfg.TRAIN.WEIGHTS)
+    if how == "given":
+        return cfg
+    logger.info("TRAIN.WEIGHTS %s: %s", cfg.TRAIN.WEIGHTS, how)
+    return with_overrides(cfg, {"TRAIN.WEIGHTS": path})

@@ -228,6 +228,20 @@ def lr_at(cfg: CfgNode, epoch: float) -> float:
     return lr
 
 
+def schedule_warnings(cfg: CfgNode) -> list[str]:
+    """What in the lr schedule of `cfg` is most likely a mistake, in words: a warmup
+    as long as the run (the lr never reaches OPTIM.BASE_LR)."""
+    o = cfg.OPTIM
+    if 0 < o.MAX_EPOCH <= o.WARMUP_EPOCHS:
+        peak = max(lr_at(cfg, o.MAX_EPOCH * i / 100) for i in range(100))
+        return [
+            f"OPTIM.WARMUP_EPOCHS ({o.WARMUP_EPOCHS:g}) >= OPTIM.MAX_EPOCH "
+            f"({o.MAX_EPOCH}): the run ends before the warmup does; the lr peaks at "
+            f"{peak:.3g}, never reaching OPTIM.BASE_LR {o.BASE_LR:g}"
+        ]
+    return []
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Sets the learning rate of every parameter group: `lr` times the group's
     lr_scale (layer-wise decay; 1 without)."""

@@ -12,13 +12,16 @@ scaled down so that the phase takes about `budget_s` (at least one timed call).
 """
 
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
 from pycls_fast.components.precision import AmpMode, autocast, input_dtype
-from pycls_fast.datasets.loader import ImageLoader
+from pycls_fast.config import with_overrides
+from pycls_fast.datasets.formats.synthetic import make_image_folder
+from pycls_fast.datasets.loader import ImageLoader, construct_train_loader
 from pycls_fast.engine.trainer import Components, eval_forward, train_step
 from pycls_fast.engine.trainer import forward_backward as trainer_forward_backward
 
@@ -288,3 +291,24 @@ def train_flops(flops_per_image: float, batch_size: int) -> float:
 def compute_dtype(parts: Components) -> torch.dtype:
     """The dtype the matmuls run in: the half dtype in AMP modes, else fp32."""
     return torch.float32 if parts.mode is AmpMode.FP32 else parts.half_dtype
+
+
+def loader_throughput(
+    cfg, batches: int, budget_s: float | None = None, progress: Progress = None
+) -> tuple[float, str]:
+    """(images/s, what was read) of the train loader of `cfg` over `batches`: on
+    DATA.PATH, or without one on a temporary folder of synthetic JPEGs (500x375)
+    large enough for every rank's shard (tools/time_net.py, tools/check_node.py)."""
+    if cfg.DATA.PATH:
+        _say(progress, f"loader: up to {batches} batches on {cfg.DATA.PATH}")
+        loader = construct_train_loader(cfg)
+        return time_loader(loader, batches, budget_s=budget_s), cfg.DATA.PATH
+    images = cfg.TRAIN.BATCH_SIZE * (batches + 2)
+    _say(progress, f"loader: writing {images} JPEGs, then up to {batches} batches")
+    with tempfile.TemporaryDirectory() as root:
+        make_image_folder(root, splits=("train",), num_classes=4,
+                          images_per_class=-(-images // 4))  # fmt: skip
+        synthetic = with_overrides(cfg, {"DATA.PATH": root, "DATA.INDEX_CACHE": False})
+        loader = construct_train_loader(synthetic)
+        rate = time_loader(loader, batches, budget_s=budget_s)
+    return rate, "synthetic JPEGs (500x375)"

@@ -27,9 +27,11 @@ from yacs.config import CfgNode
 
 from pycls_fast.checkpoint import CheckpointManager, files
 from pycls_fast.checkpoint.remote import PULLED_MARKER, RemoteOut, mirror_dir
+from pycls_fast.checkpoint.run_record import record_config
 from pycls_fast.checkpoint.weights import (
     LoadedWeights,
     checkpoint_channel_order,
+    resolve_start_weights,
 )
 from pycls_fast.components.ema import ema_alpha, update_ema
 from pycls_fast.components.losses import build_loss
@@ -38,6 +40,7 @@ from pycls_fast.components.optimizer import (
     construct_optimizer,
     lr_at,
     param_groups,
+    schedule_warnings,
     set_lr,
     split_by_tensor_kind,
 )
@@ -54,7 +57,7 @@ from pycls_fast.components.precision import (
     resolve_amp,
 )
 from pycls_fast.components.spike_guard import SpikeGuard, build_spike_guard
-from pycls_fast.config import dump_cfg, train_stage, with_overrides
+from pycls_fast.config import train_stage, with_overrides
 from pycls_fast.datasets.loader import (
     ImageLoader,
     construct_test_loader,
@@ -64,6 +67,7 @@ from pycls_fast.datasets.to_device.prefetch import DevicePrefetcher
 from pycls_fast.datasets.to_device.transform import DeviceBatchTransform
 from pycls_fast.engine.distill import Distiller, build_distiller
 from pycls_fast.engine.model_setup import build_model_parts
+from pycls_fast.engine.precise_bn import update_precise_bn
 from pycls_fast.engine.run_metrics import RunMetrics
 from pycls_fast.errors import (
     NonFiniteLossError,
@@ -773,6 +777,7 @@ def _train(cfg, stop, remote=None):
             remote.local,
             ", ".join(remote.fetched) or "none",
         )
+    cfg = resolve_start_weights(cfg)  # a run folder: its newest checkpoint
     cfg = resolve_channel_order(cfg, cfg.TRAIN.WEIGHTS)
     if cfg.PARALLEL.AUTO:
         # Rank 0's memory for all: every rank must plan the same layout.
@@ -792,11 +797,15 @@ def _train(cfg, stop, remote=None):
     )
     logger.info(
         "batch %d images per step (TRAIN.BATCH_SIZE), %d per data-parallel rank; "
-        "%d epoch(s)",
+        "%d epoch(s); lr OPTIM.BASE_LR %g as given (not scaled by the batch size "
+        "or NUM_GPUS)",
         cfg.TRAIN.BATCH_SIZE,
         cfg.TRAIN.BATCH_SIZE // parts.layout.dp,
         cfg.OPTIM.MAX_EPOCH,
+        cfg.OPTIM.BASE_LR,
     )
+    for warning in schedule_warnings(cfg):
+        logger.warning("warning: %s", warning)
 
     parts.metrics = metrics = RunMetrics(
         cfg, parts, len(parts.train_loader), distributed.is_main()
@@ -824,8 +833,9 @@ def _train(cfg, stop, remote=None):
     start_epoch, start_iter = manager.restore()
     metrics.resumed_at(start_epoch, start_iter)
     if distributed.is_main():
-        # Only now: a run that fails to start leaves the previous config.yaml as it was.
-        dump_cfg(cfg)
+        # Only now: a run that fails to start leaves the previous config.yaml as it
+        # was; one that changes it keeps the old one in config_history/.
+        record_config(cfg)
 
     # The stop signal is agreed on (a collective and a host read) every
     # TRAIN.PREEMPT_CHECK_PERIOD steps and at the end of each epoch; in one process
@@ -870,6 +880,8 @@ def _epochs(parts, manager, results, start_epoch, start_iter, on_iter_end, remot
         with parts.metrics.span("train"):
             results["train"] = train_epoch(parts, epoch, start_iter, on_iter_end)
         start_iter = 0
+        if cfg.BN.USE_PRECISE_STATS:  # before the epoch's checkpoint (pycls's order)
+            update_precise_bn(parts, epoch)
         last_epoch = epoch + 1 == cfg.OPTIM.MAX_EPOCH
         manager.after_epoch(epoch)
         if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or last_epoch:
@@ -894,7 +906,10 @@ def prepare_test(cfg):
     distributed.check_same_config(cfg)
     seed_everything(cfg.RNG_SEED)
     if not cfg.TEST.WEIGHTS:
-        raise UserError("TEST.WEIGHTS is empty: name the checkpoint to evaluate")
+        raise UserError(
+            "TEST.WEIGHTS is empty: name the checkpoint to evaluate, or evaluate a "
+            "run's newest checkpoint with --run OUT_DIR"
+        )
     path, how = files.resolve_weights(cfg.TEST.WEIGHTS)
     if how != "given":
         logger.info("TEST.WEIGHTS %s: %s", cfg.TEST.WEIGHTS, how)

@@ -11,9 +11,59 @@ from collections.abc import Callable
 
 from pycls_fast.checkpoint.files import resolve_weights
 from pycls_fast.checkpoint.retention import best_checkpoint
-from pycls_fast.config import load_cfg
+from pycls_fast.config import load_cfg, with_overrides
 from pycls_fast.errors import UserError, error_line, exit_code
 from pycls_fast.launch.processes import exit_process, under_torchrun
+from pycls_fast.models.timm_names import timm_config
+
+# timm's train.py flags, and the config key each means here.
+TIMM_FLAGS = {
+    "--lr": "OPTIM.BASE_LR (used as given: never scaled by the batch size or NUM_GPUS)",
+    "--epochs": "OPTIM.MAX_EPOCH",
+    "--batch-size": "TRAIN.BATCH_SIZE (the batch of all processes together; "
+    "timm's is per process)",
+    "-b": "TRAIN.BATCH_SIZE (the batch of all processes together; timm's is per "
+    "process)",
+    "--model": "--cfg (a config file, or a timm name: vit_small_patch16_224 is "
+    "configs/vit/ViT-S-16.yaml with timm's head)",
+    "--amp": "AMP.MODE O1 (autocast; AMP.DTYPE bf16 or fp16)",
+    "--warmup-epochs": "OPTIM.WARMUP_EPOCHS",
+    "--weight-decay": "OPTIM.WEIGHT_DECAY",
+    "--opt": "OPTIM.OPTIMIZER",
+    "--data-dir": "DATA.PATH",
+    "--output": "OUT_DIR",
+    "--img-size": "TRAIN.IM_SIZE",
+    "--num-classes": "MODEL.NUM_CLASSES",
+    "--mixup": "TRAIN.MIXUP_ALPHA",
+    "--cutmix": "TRAIN.CUTMIX_ALPHA",
+    "--smoothing": "TRAIN.LABEL_SMOOTHING",
+    "--drop-path": "VIT.DROP_PATH",
+    "--aa": "TRAIN.AUGMENT (timm's strings as they are: rand-m9-mstd0.5-inc1)",
+    "--reprob": "TRAIN.RANDOM_ERASE",
+    "--seed": "RNG_SEED",
+    "--workers": "DATA_LOADER.NUM_WORKERS",
+    "-j": "DATA_LOADER.NUM_WORKERS",
+    "--resume": "TRAIN.AUTO_RESUME (a rerun into OUT_DIR resumes its newest "
+    "checkpoint)",
+    "--checkpoint": "TEST.WEIGHTS",
+    "--model-ema": "OPTIM.EMA_ALPHA",
+}
+
+
+def check_timm_flags(argv: list[str], own=()) -> None:
+    """UserError, in one line naming the config key, for the first timm flag in
+    `argv` that is not one of the tool's `own` (`--lr 0.01`: `OPTIM.BASE_LR 0.01`)."""
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag not in TIMM_FLAGS or flag in own:
+            continue
+        if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            value = argv[i + 1]
+        key = TIMM_FLAGS[flag]
+        what = key if key.startswith("-") else f"the config key {key}"
+        example = f": {key.split(' ')[0]} {value}" if value else ""
+        raise UserError(f"{flag} is timm's flag; here it is {what}{example}")
+
 
 # Where `--run OUT_DIR` evaluations write their log: beside, not over, the run's.
 EVAL_DIR = "eval"
@@ -54,7 +104,14 @@ def config_parser(
     parser.add_argument(
         "opts", nargs="*", help="config overrides: KEY VALUE or KEY=VALUE ..."
     )
-    parser.parse_args = parser.parse_intermixed_args  # options may follow KEY VALUE
+    parse = parser.parse_intermixed_args  # options may follow KEY VALUE
+
+    def parse_args(args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        check_timm_flags(argv, parser._option_string_actions)
+        return parse(args, namespace)
+
+    parser.parse_args = parse_args
     return parser
 
 
@@ -62,6 +119,19 @@ def require_config(args) -> None:
     """UserError when neither --cfg nor --run names a config."""
     if not (args.cfg_file or getattr(args, "run", None)):
         raise UserError("give --cfg FILE or --run OUT_DIR")
+
+
+def cfg_file_and_opts(cfg_file, opts: list) -> tuple:
+    """(--cfg, overrides), a timm model name (vit_small_patch16_224) made its
+    config file and overrides (models/timm_names.py), said on stdout."""
+    if isinstance(cfg_file, str) and not os.path.exists(cfg_file):
+        found = timm_config(cfg_file)
+        if found is not None:
+            path, overrides = found
+            shown = os.path.relpath(path)
+            print(f"--cfg {cfg_file}: {shown} {' '.join(overrides)}", flush=True)
+            return path, overrides + list(opts)
+    return cfg_file, opts
 
 
 def run_config_file(run_dir: str) -> str:
@@ -96,7 +166,8 @@ def cfg_from_args(args):
     if not run_dir:
         if getattr(args, "best", False):
             raise UserError("--best needs --run OUT_DIR")
-        return load_cfg(args.cfg_file, args.opts or [], launcher_world_size())
+        path, opts = cfg_file_and_opts(args.cfg_file, args.opts or [])
+        return load_cfg(path, opts, launcher_world_size())
     path = args.cfg_file or run_config_file(run_dir)
     before = run_opts(args) if hasattr(args, "best") else []
     return load_cfg(path, before + list(args.opts or []), launcher_world_size())
@@ -106,6 +177,25 @@ def launcher_world_size() -> int | None:
     """torchrun's (or SLURM's torchrun-like) WORLD_SIZE when a launcher started this
     process, else None: the config's NUM_GPUS then says how many to start."""
     return int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+
+
+def is_training_run(out_dir: str) -> bool:
+    """Whether `out_dir` holds a training run's records (its config.yaml or
+    checkpoints/), which evaluations must not write into."""
+    return os.path.isfile(os.path.join(out_dir, "config.yaml")) or os.path.isdir(
+        os.path.join(out_dir, "checkpoints")
+    )
+
+
+def evaluation_out_dir(cfg):
+    """`cfg` with OUT_DIR made OUT_DIR/eval when OUT_DIR holds a training run (as
+    `--run` does), said on stdout: an evaluation never appends to the run's
+    stdout.log nor rewrites its epoch_stats.csv."""
+    if not is_training_run(cfg.OUT_DIR):
+        return cfg
+    out = os.path.join(cfg.OUT_DIR, EVAL_DIR)
+    print(f"OUT_DIR {cfg.OUT_DIR} holds a training run: this evaluation logs to {out}")
+    return with_overrides(cfg, {"OUT_DIR": out})
 
 
 def run(main: Callable[[], int | None]) -> None:

@@ -171,6 +171,36 @@ def _run_in_group(fn, cfg, init):
         destroy_process_group()
 
 
+def killed_message(rank: int, signal_name: str | None) -> str:
+    """The line for a rank killed by a signal; SIGKILL, which no program sends
+    itself, is most likely the kernel's out-of-memory killer."""
+    line = f"rank {rank} was killed by {signal_name or 'a signal'}"
+    if signal_name == "SIGKILL":
+        line += (
+            " (most likely out of memory: the kernel kills the largest process; "
+            "fewer NUM_GPUS, a smaller TRAIN.BATCH_SIZE or DATA_LOADER.NUM_WORKERS)"
+        )
+    return line + "; the other ranks were stopped"
+
+
+def warn_cpu_oversubscription(ranks: int, gpus: bool) -> None:
+    """Warns (stderr, once) when more CPU ranks are spawned than this machine has
+    cores: each rank then shares a core, and all of them hold a model copy."""
+    cores = (
+        len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else (os.cpu_count() or 1)
+    )
+    if not gpus and ranks > cores:
+        print(
+            f"warning: NUM_GPUS {ranks} starts {ranks} CPU processes on {cores} "
+            "core(s): they share the cores (slower than fewer) and each holds a copy "
+            "of the model and its optimizer state",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _spawn(fn, cfg):
     import torch.multiprocessing as mp
 
@@ -179,6 +209,7 @@ def _spawn(fn, cfg):
         raise ConfigError(
             f"NUM_GPUS is {n} but this machine has {torch.cuda.device_count()} GPUs"
         )
+    warn_cpu_oversubscription(n, torch.cuda.is_available())
     env = {
         "MASTER_ADDR": cfg.HOST,
         "MASTER_PORT": str(_free_port(cfg)),
@@ -206,11 +237,7 @@ def _spawn(fn, cfg):
                 "the other ranks were stopped",
                 e.exit_code if e.exit_code in (1, 2) else 1,
             ) from None
-        raise RankFailedError(
-            f"rank {e.error_index} was killed by {e.signal_name or 'a signal'}; the "
-            "other ranks were stopped",
-            1,
-        ) from None
+        raise RankFailedError(killed_message(e.error_index, e.signal_name), 1) from None
     finally:
         preemption.restore_signals(previous)
     if result.empty():

@@ -53,21 +53,35 @@ def job_parameters(cfg: CfgNode) -> dict[str, Any]:
     if launch_cfg.MODE == "slurm":
         params["name"] = launch_cfg.NAME
         params["cpus_per_task"] = launch_cfg.CPUS_PER_GPU
-        params["mem_gb"] = launch_cfg.MEM_PER_GPU * tasks
-        params["slurm_partition"] = launch_cfg.PARTITION
+        # Partition, memory and constraint: the cluster's defaults unless set.
+        if launch_cfg.MEM_PER_GPU:
+            params["mem_gb"] = launch_cfg.MEM_PER_GPU * tasks
+        if launch_cfg.PARTITION:
+            params["slurm_partition"] = launch_cfg.PARTITION
         params["slurm_signal_delay_s"] = launch_cfg.SIGNAL_DELAY_S
         if launch_cfg.COMMENT:
             params["slurm_comment"] = launch_cfg.COMMENT
         if launch_cfg.GPU_TYPE and not launch_cfg.CPU_ONLY:
             params["slurm_constraint"] = launch_cfg.GPU_TYPE
+        extra = {}
         if launch_cfg.EMAIL:
-            params["slurm_additional_parameters"] = {
-                "mail-user": launch_cfg.EMAIL,
-                "mail-type": "END,FAIL",
-            }
+            extra = {"mail-user": launch_cfg.EMAIL, "mail-type": "END,FAIL"}
+        extra.update(sbatch_args(launch_cfg.SBATCH_ARGS))
+        if extra:
+            params["slurm_additional_parameters"] = extra
     else:
         params["signal_delay_s"] = launch_cfg.SIGNAL_DELAY_S
     return params
+
+
+def sbatch_args(args) -> dict[str, Any]:
+    """LAUNCH.SBATCH_ARGS as submitit's additional parameters: 'name=value' ->
+    {name: value}, a bare 'name' -> {name: True} (an sbatch flag: --name)."""
+    out: dict[str, Any] = {}
+    for arg in args:
+        name, sep, value = arg.partition("=")
+        out[name.lstrip("-")] = value if sep else True
+    return out
 
 
 def rank_environment(
@@ -155,7 +169,7 @@ class ClusterJob:
         raise SystemExit(LOCAL_REQUEUE_EXIT)
 
 
-def _executor(cfg: CfgNode):
+def _executor(cfg: CfgNode, need_sbatch: bool = True):
     import submitit
 
     if is_remote(cfg.OUT_DIR):
@@ -166,7 +180,7 @@ def _executor(cfg: CfgNode):
         )
     folder = os.path.join(cfg.OUT_DIR, "submitit")
     cluster = "slurm" if cfg.LAUNCH.MODE == "slurm" else "local"
-    if cluster == "slurm" and not _have("sbatch"):
+    if cluster == "slurm" and need_sbatch and not _have("sbatch"):
         raise UserError(
             "LAUNCH.MODE slurm: no `sbatch` on this machine; submit from a SLURM "
             "login node, or use LAUNCH.MODE submitit_local / local"
@@ -200,6 +214,37 @@ def submit(fn: Callable[[CfgNode], Any], cfg: CfgNode):
         follow += f"   |   squeue -j {job.job_id}"
     print(f"  follow:   {follow}", flush=True)
     return job
+
+
+def describe_job(fn: Callable[[CfgNode], Any], cfg: CfgNode) -> str:
+    """What `submit(fn, cfg)` would submit, in words: the shape (nodes x tasks x
+    GPUs), the command each task runs, the log paths, and the sbatch script
+    (LAUNCH.MODE slurm) or the local executor's parameters. Submits nothing and
+    needs no cluster."""
+    nodes, tasks = job_shape(cfg)
+    gpus = 0 if cfg.LAUNCH.CPU_ONLY else 1
+    executor = _executor(cfg, need_sbatch=False)
+    # submitit's own text for the job (private API: the script `submit` writes).
+    inner = getattr(executor, "_executor", executor)
+    command = inner._submitit_command_str
+    folder = os.path.join(cfg.OUT_DIR, "submitit")
+    lines = [
+        f"dry run (LAUNCH.DRY_RUN): nothing submitted to "
+        f"{'SLURM' if cfg.LAUNCH.MODE == 'slurm' else 'submitit (local)'}",
+        f"  job:      {nodes} node(s) x {tasks} task(s) x {gpus} GPU(s) per task "
+        f"= {cfg.NUM_GPUS} rank(s), {cfg.LAUNCH.TIME_LIMIT} min",
+        f"  each task runs: {command}",
+        f"    (unpickles {getattr(fn, '__name__', 'the tool')}(cfg) and runs it as one "
+        "torch.distributed rank)",
+        f"  job log:  {os.path.join(folder, '%j_%t_log.out')} (.err)",
+        f"  run log:  {os.path.join(cfg.OUT_DIR, 'stdout.log')}",
+    ]
+    if cfg.LAUNCH.MODE == "slurm":
+        script = inner._make_submission_file_text(command, "dry_run")
+        lines += ["  sbatch script:", script.rstrip()]
+    else:
+        lines += [f"  submitit parameters: {job_parameters(cfg)}"]
+    return "\n".join(lines)
 
 
 def _in_queue(job_id: str) -> bool:
@@ -249,6 +294,9 @@ def submit_or_launch(fn: Callable[[CfgNode], Any], cfg: CfgNode) -> Any:
     the job; returns None at once, or with LAUNCH.WAIT its result (rank 0's)."""
     if cfg.LAUNCH.MODE == "local":
         return launch(fn, cfg)
+    if cfg.LAUNCH.DRY_RUN:
+        print(describe_job(fn, cfg), flush=True)
+        return None
     job = submit(fn, cfg)
     if not cfg.LAUNCH.WAIT:
         return None

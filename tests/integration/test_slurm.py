@@ -260,3 +260,39 @@ def test_a_sweep_of_four_forks_runs_through_slurm(slurm, digits, tmp_path):
         assert "final top-1 accuracy" in log
     index = os.path.join(sweep, "analysis", "index.html")
     assert os.path.getsize(index) > 1000
+
+
+def test_a_dry_run_prints_the_job_and_submits_nothing(digits, tmp_path):
+    # No cluster needed: the job's shape, each task's command, the logs, the script.
+    out = tmp_path / "dry"
+    extra = ["LAUNCH.SBATCH_ARGS", "['qos=high', 'exclusive']"]
+    dry = ["LAUNCH.MODE", "slurm", "LAUNCH.DRY_RUN", "True", *extra]
+    result = _train(*_opts(digits, out, *dry))
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "dry run (LAUNCH.DRY_RUN): nothing submitted to SLURM" in text
+    assert "1 node(s) x 2 task(s) x 0 GPU(s) per task = 2 rank(s), 30 min" in text
+    assert f"-m submitit.core._submit {out / 'submitit'}" in text
+    assert f"run log:  {out / 'stdout.log'}" in text
+    for flag in ("qos=high", "exclusive", "partition=debug", "ntasks-per-node=2",
+                 "signal=USR2@120"):  # fmt: skip
+        assert f"#SBATCH --{flag}" in text.splitlines(), flag
+    assert not out.exists()  # nothing written, nothing submitted
+
+
+def test_the_neutral_defaults_make_a_job_the_cluster_accepts(slurm, digits, tmp_path):
+    # pycls's defaults (partition devlab, --constraint volta) are refused by any
+    # other cluster; the neutral ones take the cluster's partition and memory.
+    opts = _opts(digits, tmp_path, "LAUNCH.MODE", "slurm", "LAUNCH.DRY_RUN", "True")
+    i = opts.index("LAUNCH.PARTITION")
+    del opts[i : i + 2]
+    result = _train(*opts)
+    assert result.returncode == 0, result.stderr
+    script = result.stdout.split("  sbatch script:\n", 1)[1]
+    assert "--partition" not in script and "--constraint" not in script
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    check = subprocess.run(["sbatch", "--test-only", str(path)], capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert check.returncode == 0, check.stderr
+    assert "to start at" in check.stderr

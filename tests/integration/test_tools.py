@@ -250,6 +250,11 @@ def test_check_node_on_cpu_reports_every_check():
     }, rows
     table = result.stdout.splitlines()
     assert any(x.startswith("DDP vs FSDP, 2 CPU processes, gloo") for x in table)
+    # Each thing said once: no warning about the checks' own AMP overrides, no
+    # "skipped  skipped".
+    assert "MIXED_PRECISION True is ignored" not in result.stdout + result.stderr
+    gpu = next(x for x in table if x.startswith("GPU checks"))
+    assert gpu.split()[2:4] == ["skipped", "no"], gpu
 
 
 ROW = re.compile(

@@ -118,6 +118,13 @@ def check_split(root: str, split: str) -> list[str]:
     return _class_dirs(os.path.abspath(os.path.join(root, split)))
 
 
+def class_names(root: str, split: str) -> list[str]:
+    """The class folder names of `root/split` in label order (UserError when it is
+    not an ImageNet-layout folder)."""
+    _check_root(root)
+    return _class_dirs(os.path.abspath(os.path.join(root, split)))
+
+
 def _check_root(root):
     if not root:
         raise UserError("DATA.PATH is not set (the dataset root folder)")

@@ -23,7 +23,8 @@ from yacs.config import CfgNode
 
 logger = logging.getLogger(__name__)
 
-# pycls's ImageNet statistics, in RGB order, in [0, 1] units.
+# pycls's ImageNet statistics, in RGB order, in [0, 1] units: the defaults of
+# DATA.MEAN and DATA.STD, which DeviceBatchTransform reads.
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 # AlexNet PCA lighting: eigenvalues and eigenvectors (columns) of the RGB covariance.
@@ -276,6 +277,7 @@ class DeviceBatchTransform:
         self.erase_count = cfg.TRAIN.RANDOM_ERASE_COUNT
         self.num_classes = cfg.MODEL.NUM_CLASSES
         self.bgr = cfg.DATA.CHANNEL_ORDER == "bgr"
+        self.mean, self.std = tuple(cfg.DATA.MEAN), tuple(cfg.DATA.STD)
         seed = [cfg.RNG_SEED, rank]
         self.rng = np.random.default_rng(seed)
         self.generator = torch.Generator(device=torch.device(device)).manual_seed(
@@ -350,13 +352,15 @@ class DeviceBatchTransform:
         (inputs `dtype` (B, 3, H, W), targets) on the device."""
         images, labels = to_device(images, labels, self.device, self.pin_memory)
         if not self.train:
-            return self._ordered(normalize(images, dtype=self.dtype)), labels
+            inputs = normalize(images, self.mean, self.std, self.dtype)
+            return self._ordered(inputs), labels
         offsets = None
         if self.pca_std > 0:
             offsets = pca_lighting_offsets(
                 len(labels), self.pca_std, self.generator, images.device
             )
-        inputs = self._ordered(normalize(images, dtype=self.dtype, offsets=offsets))
+        inputs = normalize(images, self.mean, self.std, self.dtype, offsets)
+        inputs = self._ordered(inputs)
         if self.erase > 0:
             inputs = self._random_erase(inputs)
         mixing = self.mixup_alpha > 0 or self.cutmix_alpha > 0

@@ -1,11 +1,14 @@
 """launch/submit.py's pure pieces: the job's shape and submitit parameters from pycls's
 LAUNCH keys, and each task's torch.distributed environment."""
 
+import os
+
 import pytest
 
+from pycls_fast.config import load_cfg
 from pycls_fast.errors import ConfigError
 from pycls_fast.launch.submit import job_parameters, job_shape, rank_environment
-from tests.helpers import tiny_cfg
+from tests.helpers import ROOT, tiny_cfg
 
 
 def _cfg(*opts):
@@ -71,3 +74,28 @@ def test_each_task_is_one_rank_of_the_job():
     ports = {rank_environment(j, 0, 0, 1, 1, "n")["MASTER_PORT"] for j in ("1", "2")}
     # Below the ephemeral range (32768+), where outgoing connections take ports.
     assert len(ports) == 2 and all(10000 <= int(p) < 30000 for p in ports)
+
+
+def test_slurm_defaults_are_the_clusters_and_extra_sbatch_args_pass():
+    extra = "['account=vision', 'qos=high', 'exclusive']"
+    cfg = _cfg("NUM_GPUS", "8", "LAUNCH.MODE", "slurm", "LAUNCH.SBATCH_ARGS", extra)
+    params = job_parameters(cfg)
+    # No partition, memory or constraint: what the cluster defaults to.
+    for key in ("slurm_partition", "mem_gb", "slurm_constraint"):
+        assert key not in params, key
+    assert params["slurm_additional_parameters"] == {
+        "account": "vision", "qos": "high", "exclusive": True,
+    }  # fmt: skip
+
+
+def test_pycls_fair_launch_values_still_load():
+    cfg = load_cfg(os.path.join(ROOT, "configs/launch/pycls_fair.yaml"),
+                   ["LAUNCH.MODE", "slurm", "NUM_GPUS", "8"])  # fmt: skip
+    params = job_parameters(cfg)
+    assert params["slurm_partition"] == "devlab"
+    assert params["slurm_constraint"] == "volta" and params["mem_gb"] == 480
+
+
+def test_bad_sbatch_args_are_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="LAUNCH.SBATCH_ARGS"):
+        _cfg("LAUNCH.SBATCH_ARGS", "['--account vision']")
