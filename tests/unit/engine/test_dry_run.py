@@ -70,7 +70,8 @@ def test_fake_tensors_count_what_real_ones_hold(checkpoint):
     """The dry run's fake mode holds exactly the bytes real tensors hold through a
     step, also with activation checkpointing (which frees what the forward made:
     a table that kept fake tensors alive would count them)."""
-    cfg = load_cfg(CFG, [*TINY, "VIT.ATTENTION", "sdpa", "VIT.NUM_LAYERS", "4"])
+    one = ["NUM_GPUS", "1", "PARALLEL.TP", "1", "PARALLEL.PP", "1"]  # one process
+    cfg = load_cfg(CFG, [*TINY, "VIT.ATTENTION", "sdpa", "VIT.NUM_LAYERS", "4", *one])
     real = _step_bytes(build_model(cfg), checkpoint)
     with torch.device("meta"):
         model = build_model(cfg)
