@@ -94,13 +94,12 @@ class RunMetrics:
         return self.goodput.fields()
 
     def finish(self) -> None:
-        """Logs the run's goodput (a `goodput` stats record and a human line) and
-        saves the account."""
+        """Logs the run's goodput (a `goodput` stats record: a human line on a
+        terminal) and saves the account."""
         if self.goodput is None:
             return
         epoch = min(self.goodput.position // self.iters, self.max_epoch)
         self.goodput.save()
-        logger.info("%s", self.goodput.summary())
         log_json_stats(
             {
                 "_type": "goodput",

@@ -9,6 +9,8 @@ keep the json_stats lines.
 
 import logging
 
+from pycls_fast.observe.goodput import summary_line
+
 # A record that log_json_stats logged carries its stats dict under this attribute.
 STATS_ATTR = "stats"
 
@@ -22,6 +24,8 @@ _KIND = {
 
 def human_line(stats: dict) -> str | None:
     """A short line for a trainer stats record, or None for other records."""
+    if stats.get("_type") == "goodput":
+        return _goodput_line(stats)
     kind = _KIND.get(stats.get("_type"))
     if kind is None:
         return None
@@ -46,6 +50,11 @@ def human_line(stats: dict) -> str | None:
     elif "time_epoch_s" in stats:
         parts.append(f"{stats['time_epoch_s']:.1f} s")
     return "  ".join(parts)
+
+
+def _goodput_line(stats: dict) -> str:
+    """The run's account of wall time, as `Goodput.summary` words it."""
+    return summary_line(stats)
 
 
 class ConsoleFormatter(logging.Formatter):

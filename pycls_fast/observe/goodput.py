@@ -162,14 +162,7 @@ class Goodput:
 
     def summary(self) -> str:
         """One human line: the goodput and the other shares."""
-        f = self.fields()
-        others = ", ".join(
-            f"{name} {100 * f[f'wall_{name}_frac']:.1f}%" for name in CATEGORIES[1:]
-        )
-        return (
-            f"goodput {100 * f['goodput']:.1f}% of {f['wall_s']:.0f} s wall "
-            f"({f['restarts']} restart(s)): {others}"
-        )
+        return summary_line(self.fields())
 
     def save(self) -> None:
         """Writes the account to OUT_DIR/goodput.json (atomically): a requeued run
@@ -194,3 +187,14 @@ def _read(path: str) -> dict:
             return json.load(f)
     except (OSError, ValueError):
         return {}
+
+
+def summary_line(fields: dict) -> str:
+    """One human line of an account's `fields()` (or its `goodput` record)."""
+    others = ", ".join(
+        f"{name} {100 * fields[f'wall_{name}_frac']:.1f}%" for name in CATEGORIES[1:]
+    )
+    return (
+        f"goodput {100 * fields['goodput']:.1f}% of {fields['wall_s']:.0f} s wall "
+        f"({int(fields['restarts'])} restart(s)): {others}"
+    )

@@ -4,6 +4,7 @@ pipe, and always json_stats lines in OUT_DIR/stdout.log."""
 import fcntl
 import os
 import pty
+import re
 import struct
 import subprocess
 import sys
@@ -63,19 +64,42 @@ def test_terminal_shows_human_lines(digits, tmp_path):
                "rank; 1 epoch(s)" in line for line in lines)  # fmt: skip
     records = load_json_stats(os.path.join(out, "stdout.log"))
     it = next(r for r in records if r["_type"] == "train_iter")
-    human = (
-        f"train epoch 1/1 iter {it['iter']}  loss {it['loss']:.4f}  "
-        f"top-1 {100.0 - it['top1_err']:.2f}%  {it['img_per_s']:,.0f} img/s  "
-        f"data wait {100.0 * it['data_wait_frac']:.0f}%  ETA {it['eta']}"
+    optional = [
+        f"MFU {100.0 * it['mfu']:.1f}%" if it.get("mfu") else "",
+        f"|g| {it['grad_norm']:.3g}" if "grad_norm" in it else "",
+        f"goodput {100.0 * it['goodput']:.0f}%" if "goodput" in it else "",
+    ]
+    human = "  ".join(
+        [
+            f"train epoch 1/1 iter {it['iter']}",
+            "loss LOSS",
+            f"top-1 {100.0 - it['top1_err']:.2f}%",
+            f"{it['img_per_s']:,.0f} img/s",
+            f"data wait {100.0 * it['data_wait_frac']:.0f}%",
+            *[part for part in optional if part],
+            f"ETA {it['eta']}",
+        ]
     )
-    assert any(line.endswith(human) for line in lines), human
-    test = next(r for r in records if r["_type"] == "test_epoch")
-    assert any(
-        f"test epoch 1/1  loss {test['loss']:.4f}  top-1 "
-        f"{100.0 - test['top1_err']:.2f}%  top-5 {100.0 - test['top5_err']:.2f}%"
-        in line
+    assert "grad_norm" in it  # the record carries the step's gradient norm
+    # The loss as the line prints the full value (see the test line below).
+    before, after = human.split("LOSS")
+    shown_losses = [
+        float(line[line.index(before) + len(before) :].split()[0])
         for line in lines
-    )
+        if before in line and line.endswith(after)
+    ]
+    assert len(shown_losses) == 1, human
+    assert abs(shown_losses[0] - it["loss"]) <= 0.5e-4 + 1e-5
+    test = next(r for r in records if r["_type"] == "test_epoch")
+    pattern = r"test epoch 1/1  loss ([\d.]+)  top-1 ([\d.]+)%  top-5 ([\d.]+)%"
+    found = [m.groups() for line in lines if (m := re.search(pattern, line))]
+    assert len(found) == 1, shown
+    # The line prints the full values to 4 / 2 decimals, the json_stats record keeps
+    # 6 significant digits: they agree to half the line's last digit plus that.
+    loss, top1, top5 = map(float, found[0])
+    assert abs(loss - test["loss"]) <= 0.5e-4 + 1e-5
+    assert abs(top1 - (100.0 - test["top1_err"])) <= 0.5e-2 + 1e-3
+    assert abs(top5 - (100.0 - test["top5_err"])) <= 0.5e-2 + 1e-3
     assert [r["_type"] for r in records].count("train_epoch") == 1
     # The progress bar shows, and every log line starts on a line of its own (the
     # bar is lifted for it, not overwritten in its middle).
