@@ -228,10 +228,18 @@ def test_sharded_checkpoints_resume_at_any_world_size(digits, tmp_path):
     expected = f"top-1 accuracy: {100.0 - target['top1_err']:.2f}%"
     assert expected in tested.stdout and expected in tested_file.stdout
 
-    # A sharded checkpoint of another model: one line naming the tensor, exit 2.
+    # A sharded checkpoint of another model: refused in one line, exit 2 (the run
+    # record names the changed key before any checkpoint is read); accepted
+    # explicitly, the checkpoint itself does not fit: one line naming the tensor.
     other = _run(TRAIN_NET, digits, full_dir, *common, "VIT.HIDDEN_DIM", "48")
     assert other.returncode == 2, other.stderr[-2000:]
-    assert "does not fit this model" in other.stderr and "Traceback" not in other.stderr
+    assert "VIT.HIDDEN_DIM 32 -> 48" in other.stderr, other.stderr[-2000:]
+    assert "Traceback" not in other.stderr
+    forced = _run(TRAIN_NET, digits, full_dir, *common, "VIT.HIDDEN_DIM", "48",
+                  "TRAIN.ACCEPT_CHANGES", "VIT.HIDDEN_DIM")  # fmt: skip
+    assert forced.returncode == 2, forced.stderr[-2000:]
+    assert "does not fit this model" in forced.stderr
+    assert "Traceback" not in forced.stderr
     # A sharded checkpoint loads into a run without FSDP too: all epochs are done,
     # so it evaluates the final weights, as the FSDP run did.
     plain_dir = tmp_path / "plain"
