@@ -203,7 +203,9 @@ def test_sharded_checkpoints_of_two_fsdp_ranks_on_s3(s3, server_log, tmp_path):
         args[args.index("OPTIM.MAX_EPOCH") + 1] = epochs
         args[args.index("NUM_GPUS") + 1] = "2"
         args[args.index("DATA.PATH") + 1] = data
-        proc = _tool("train_net.py", *args, "FSDP.ENABLED", "True", env=s3)
+        # The third epoch extends the 2-epoch run: an explicit choice (run record).
+        more = ["TRAIN.ACCEPT_CHANGES", "OPTIM.MAX_EPOCH"] if epochs != "2" else []
+        proc = _tool("train_net.py", *args, "FSDP.ENABLED", "True", *more, env=s3)
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out[-3000:]
         return out
