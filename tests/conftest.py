@@ -21,6 +21,7 @@ if not GPU_TESTS:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from pycls_fast import config  # noqa: E402
 from pycls_fast.datasets.formats.digits import build_digits_folder  # noqa: E402
 
 
@@ -48,6 +49,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_config_warnings(monkeypatch):
+    """Each test starts as a fresh process for the config's once-per-process warnings,
+    so a test that expects one does not depend on which tests ran before it."""
+    monkeypatch.setattr(config, "_warned", set())
 
 
 @pytest.fixture(scope="session")
