@@ -122,20 +122,39 @@ def split_by_tensor_kind(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def fused_supported(groups: Sequence[dict[str, Any]]) -> bool:
+def fused_supported(groups: Sequence[dict[str, Any]], cls: type | None = None) -> bool:
     """Whether torch has a fused optimizer kernel for every parameter of `groups`:
     floating point, on a device type torch lists as fused-capable. The same test
     torch applies at the first `step()` (torch/optim/optimizer.py,
-    `_device_dtype_check_for_fused`), made here at construction."""
+    `_device_dtype_check_for_fused`), made here at construction. For DTensor
+    parameters (FSDP2 shards, tensor parallelism) the fused kernel of `cls` must also
+    have a DTensor sharding rule: torch registers AdamW's and Adam's, not SGD's
+    (`aten._fused_sgd_` raises NotImplementedError at the first step)."""
+    from torch.distributed.tensor import DTensor
+
     devices = _get_fused_kernels_supported_devices()
-    return all(
-        p.device.type in devices and torch.is_floating_point(p)
-        for group in groups
-        for p in group["params"]
-    )
+    params = [p for group in groups for p in group["params"]]
+    if any(isinstance(p, DTensor) for p in params) and not _dtensor_fused(cls):
+        return False
+    return all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 
 
-def _multi_tensor_kwargs(mta, groups):
+def _dtensor_fused(cls: type | None) -> bool:
+    """Whether DTensor has a sharding rule for the in-place fused kernel of optimizer
+    class `cls` (None: any optimizer torch has a fused kernel for)."""
+    from torch.distributed.tensor import DTensor
+
+    names = {torch.optim.SGD: "_fused_sgd_", torch.optim.Adam: "_fused_adam_"}
+    names[torch.optim.AdamW] = "_fused_adamw_"
+    if cls is None:
+        return all(_dtensor_fused(c) for c in names)
+    op = getattr(torch.ops.aten, names[cls]).default
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    tables = ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules")
+    return any(op in getattr(propagator, table, {}) for table in tables)
+
+
+def _multi_tensor_kwargs(mta, groups, cls):
     """foreach/fused flags: the fused kernel (one pass over all tensors of a group, on
     CUDA and on CPU) when MTA is on and torch has one for these parameters, else the
     multi-tensor `foreach` path; a Python loop over parameters when MTA is off.
@@ -145,7 +164,7 @@ def _multi_tensor_kwargs(mta, groups):
     """
     if not mta:
         return {"foreach": False}
-    return {"fused": True} if fused_supported(groups) else {"foreach": True}
+    return {"fused": True} if fused_supported(groups, cls) else {"foreach": True}
 
 
 def construct_optimizer(
@@ -166,7 +185,7 @@ def construct_optimizer(
         kwargs = {"betas": (o.BETA1, o.BETA2)}
     else:
         return _timm_optimizer(groups, cfg)
-    flags = _multi_tensor_kwargs(o.MTA, groups)
+    flags = _multi_tensor_kwargs(o.MTA, groups, cls)
     return cls(groups, lr=o.BASE_LR, **kwargs, **flags)
 
 
