@@ -110,17 +110,35 @@ def input_dtype(mode: AmpMode, dtype: torch.dtype) -> torch.dtype:
 
 
 def autocast(
-    device_type: str, mode: AmpMode, dtype: torch.dtype
+    device_type: str, mode: AmpMode, dtype: torch.dtype, cache: bool = True
 ) -> contextlib.AbstractContextManager:
     """The autocast context of a forward pass in `mode`.
 
     O1 autocasts; O2 autocasts too so that fp32 LayerNorms meet half-precision
     activations (autocast runs layer_norm in fp32 and matmuls in half precision);
-    O3 and fp32 need none.
+    O3 and fp32 need none. `cache`: autocast's weight cache, which keeps the
+    half-precision copy of every weight it casts until the context ends. Under FSDP
+    that is a copy of the whole (tensor-parallel-local) model on every rank,
+    gathered block by block and never freed with the block: `weight_cache` says
+    when to turn it off.
     """
     if mode in (AmpMode.O1, AmpMode.O2):
-        return torch.autocast(device_type, dtype=dtype)
+        return torch.autocast(device_type, dtype=dtype, cache_enabled=cache)
     return contextlib.nullcontext()
+
+
+def weight_cache(cfg: CfgNode) -> bool:
+    """Whether `autocast` keeps its weight cache for `cfg`'s runs: not under FSDP.
+
+    FSDP gathers a block's weights for its forward and frees them after; the cache
+    would keep their half-precision casts to the end of the forward (a pipeline's
+    whole step), a half copy of the rank's whole model, whatever FSDP shards. Off,
+    a cast lives as long as the matmul that saved it for backward: with activation
+    checkpointing, one block's. The cost is a cast per use instead of per step
+    (a pipeline stage's micro-batches each cast again), small next to the matmuls.
+    Without FSDP the cache holds the casts that backward keeps anyway.
+    """
+    return not cfg.FSDP.ENABLED
 
 
 class MasterWeights:

@@ -20,7 +20,6 @@ import re
 import torch
 from yacs.config import CfgNode
 
-from pycls_fast.components.precision import autocast
 from pycls_fast.config import with_overrides
 from pycls_fast.engine.test_sets import split_classes
 from pycls_fast.engine.trainer import (
@@ -82,7 +81,7 @@ def real_top1_err(parts, model, real: list[list[int]]) -> tuple[float, int]:
         inputs, _ = parts.test_prep(images, torch.zeros(len(images), dtype=torch.long))
         # test_epoch's path: through the pipeline under PP (logits on the last
         # stage only), and as many forwards on every rank under FSDP (below).
-        with torch.no_grad(), autocast(parts.device.type, parts.mode, parts.half_dtype):
+        with torch.no_grad(), parts.autocast():
             logits = eval_forward(parts, model, inputs, size)
         forwards += 1
         if logits is None or not parts.reports_metrics:

@@ -9,7 +9,7 @@ from pycls_fast.components.precise_bn import (
     compute_precise_bn_stats,
     precise_iters,
 )
-from pycls_fast.components.precision import autocast, input_dtype
+from pycls_fast.components.precision import input_dtype
 from pycls_fast.datasets.to_device.transform import DeviceBatchTransform
 from pycls_fast.runtime import distributed
 
@@ -43,7 +43,7 @@ def update_precise_bn(parts, epoch: int) -> None:
     # As many forwards on every rank (FSDP gathers in each): the fewest any has.
     num_iter = -int(distributed.all_reduce_max([-float(num_iter)])[0])
     inputs = (prepare(images, labels)[0] for images, labels in loader)
-    with autocast(parts.device.type, parts.mode, parts.half_dtype):
+    with parts.autocast():
         used = compute_precise_bn_stats(parts.model, inputs, num_iter)
     logger.info(
         "BN.USE_PRECISE_STATS: %d BatchNorm layer(s) recomputed over %d batch(es) of "

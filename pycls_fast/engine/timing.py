@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from pycls_fast.components.precision import AmpMode, autocast, input_dtype
+from pycls_fast.components.precision import AmpMode, input_dtype
 from pycls_fast.config import with_overrides
 from pycls_fast.datasets.formats.synthetic import make_image_folder
 from pycls_fast.datasets.loader import ImageLoader, construct_train_loader
@@ -166,7 +166,7 @@ def time_train(
     model.train()
 
     def forward() -> None:
-        with torch.no_grad(), autocast(device.type, parts.mode, parts.half_dtype):
+        with torch.no_grad(), parts.autocast():
             eval_forward(parts, parts.model, inputs)
 
     def forward_backward() -> None:
@@ -228,7 +228,7 @@ def time_test(
     model.eval()
 
     def forward() -> None:
-        with torch.no_grad(), autocast(parts.device.type, parts.mode, parts.half_dtype):
+        with torch.no_grad(), parts.autocast():
             eval_forward(parts, parts.model, inputs)
 
     name = f"evaluation (batch {batch_size})"

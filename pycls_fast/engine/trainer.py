@@ -55,6 +55,7 @@ from pycls_fast.components.precision import (
     input_dtype,
     loss_scaler,
     resolve_amp,
+    weight_cache,
 )
 from pycls_fast.components.spike_guard import SpikeGuard, build_spike_guard
 from pycls_fast.config import train_stage, with_overrides
@@ -158,6 +159,13 @@ class Components:
     # Called before the optimizer changes the weights (an asynchronous checkpoint
     # still copying them waits there).
     before_update: Callable[[], None] | None = None
+
+    def autocast(self, mode: AmpMode | None = None):
+        """The autocast context of this run's forward passes in `mode` (default: the
+        run's), with autocast's weight cache off under FSDP (`weight_cache`)."""
+        mode = self.mode if mode is None else mode
+        cache = weight_cache(self.cfg)
+        return autocast(self.device.type, mode, self.half_dtype, cache=cache)
 
     def attach_test_loader(self, cfg: CfgNode, class_subset: bool = False) -> None:
         """Builds the test loader of `cfg` (TEST.SPLIT, sizes) and its device-side
@@ -326,7 +334,7 @@ def forward_backward(parts, inputs, targets, weight=1.0):
         last = i == len(chunks) - 1
         if len(chunks) > 1:
             _gradient_sync(parts.trained, last)  # one reduction, after the last
-        with autocast(parts.device.type, parts.mode, parts.half_dtype):
+        with parts.autocast():
             out = parts.trained(x)
             teacher = parts.distiller.teacher_logits(x) if parts.distiller else None
         share = len(y) / len(targets)
@@ -362,7 +370,7 @@ def _pipeline_forward_backward(parts, inputs, targets, weight):
         unscaled.append(loss.detach())
         return parts.scaler.scale(loss * weight if weight != 1.0 else loss)
 
-    with autocast(parts.device.type, parts.mode, parts.half_dtype):
+    with parts.autocast():
         _, logits = parts.pipeline.train(inputs, targets, loss_fn)
     # The micro-batches' losses are the last calls: a stage's first step also calls
     # the loss on the shapes it infers.
@@ -631,7 +639,7 @@ def pad_sharded_forwards(parts, model, done, most):
     blank = torch.zeros(1, 3, size, size, dtype=dtype, device=parts.device)
     size = parts.cfg.TEST.BATCH_SIZE // parts.layout.dp
     for _ in range(most - done):
-        with autocast(parts.device.type, parts.mode, parts.half_dtype):
+        with parts.autocast():
             eval_forward(parts, model, blank, size)
 
 
@@ -653,7 +661,7 @@ def test_epoch(
     for inputs, labels in parts.test_batches:
         if not len(labels):
             continue
-        with autocast(parts.device.type, mode, parts.half_dtype):
+        with parts.autocast(mode):
             logits = eval_forward(parts, model, inputs, size)
         if logits is None:  # a pipeline stage before the last: nothing to count
             meter.add(0.0, 0.0, 0.0, 0)

@@ -257,7 +257,7 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
     ln_fp32 = cfg.AMP.LAYER_NORM_FP32
     states = optimizer_states(cfg)
     out = dict.fromkeys(("params", "grads", "optimizer", "master", "ema"), 0)
-    block_numel = stage_numel = autocast_numel = 0
+    block_numel = stage_numel = autocast_numel = block_cast_numel = 0
     for name, shape, is_ln, cast in tensors:
         if not _on_stages(name, stages, bounds):
             continue
@@ -266,6 +266,7 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
         autocast_numel += math.prod(shape) if cast else 0
         if _block_of(name) == bounds[stages[0]][0]:
             block_numel += math.prod(shape)
+            block_cast_numel += math.prod(shape) if cast else 0
         n = _local_numel(shape, c.dp, c.fsdp)
         if mode is AmpMode.O3 or (
             mode is AmpMode.O2 and not c.fsdp and not (is_ln and ln_fp32)
@@ -292,10 +293,16 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
             out["gathered"] = int(stage_numel * 2 * compute_b)
         else:
             out["gathered"] = int(block_numel * (2 * compute_b + 4))
-    # O1's autocast caches the half-precision copy of each Linear / Conv2d weight
-    # it casts until the autocast context ends (the forward; a pipeline's whole
-    # step): a half copy of the rank's TP-local weights, whatever FSDP shards.
-    out["autocast"] = autocast_numel * half_b if mode is AmpMode.O1 else 0
+    # O1's half-precision copies of the Linear / Conv2d weights: without FSDP
+    # autocast's cache keeps them to the end of the forward (a pipeline's whole
+    # step), a half copy of the rank's TP-local weights; under FSDP the cache is
+    # off (components/precision.py `weight_cache`) and a cast lives as long as the
+    # matmul that saved it for backward: every block's without activation
+    # checkpointing, the recomputed block's with it.
+    cast_numel = autocast_numel
+    if c.fsdp and c.checkpoint:
+        cast_numel = block_cast_numel
+    out["autocast"] = cast_numel * half_b if mode is AmpMode.O1 else 0
     images = cfg.TRAIN.BATCH_SIZE // c.dp // cfg.TRAIN.ACCUM_STEPS
     layers = sum(bounds[s][1] - bounds[s][0] for s in stages)
     if c.pp > 1:

@@ -363,3 +363,47 @@ def test_a_step_weighted_zero_leaves_the_weights(accum):
     assert not torch.equal(
         parts.model.head.head_fc.weight, before["head.head_fc.weight"]
     )
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_o1_under_fsdp_keeps_no_whole_model_of_casts(fsdp):
+    """O1's forward under FSDP with activation checkpointing: autocast's weight cache
+    is off, so the half-precision casts of the gathered weights go with their block
+    instead of adding up to a copy of the whole model by the end of the forward.
+    Without FSDP the cache stays on (the control: the casts are all there)."""
+    import torch.distributed as dist
+
+    from pycls_fast.engine.dry_run import LiveBytes
+    from pycls_fast.launch.processes import init_single_process_group
+
+    cfg = tiny_cfg(
+        "AMP.MODE", "O1", "TRAIN.MIXED_PRECISION", "True", "VIT.NUM_LAYERS", "4",
+        "FSDP.ENABLED", str(fsdp), "FSDP.ACTIVATION_CHECKPOINT", "True",
+        "TRAIN.BATCH_SIZE", "1",
+    )  # fmt: skip
+    if fsdp:
+        init_single_process_group(cfg)
+    try:
+        parts = build_components(cfg, loaders=())
+        x = torch.randn(1, 3, cfg.TRAIN.IM_SIZE, cfg.TRAIN.IM_SIZE)
+        linears = [m.weight for m in parts.model.modules()
+                   if isinstance(m, torch.nn.Linear)]  # fmt: skip
+        half = torch.finfo(parts.half_dtype).bits // 8
+        casts = sum(w.numel() for w in linears) * half
+        biggest_block = max(
+            sum(w.numel() for n, w in b.named_parameters() if n.endswith("weight"))
+            for b in parts.model.encoder.children()
+            if hasattr(b, "mlp_block") or hasattr(b, "self_attention")
+        )
+        tracker = LiveBytes()
+        with tracker, parts.autocast():
+            parts.trained(x)
+            live = tracker.live
+    finally:
+        if fsdp:
+            dist.destroy_process_group()
+    if fsdp:
+        # After the forward no block is in flight: less than one block's casts.
+        assert live < biggest_block * half < casts
+    else:
+        assert live >= casts
