@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import random
+import re
 import socket
 import sys
 from collections.abc import Callable
@@ -56,14 +57,46 @@ def _timeout(cfg):
 _joined_env_group = False
 
 
+def cpu_threads() -> int:
+    """Threads for this rank's CPU ops: its share of the CPUs it may use, so that
+    the node's ranks do not oversubscribe them.
+
+    Under SLURM the CPUs are its task's (SLURM_CPUS_PER_TASK: a cluster without CPU
+    binding does not enforce them), shared by the ranks the task runs: one when
+    every rank is a task (LAUNCH.MODE slurm), LOCAL_WORLD_SIZE when one task per
+    node runs torchrun. Elsewhere the cores this process may run on, shared by the
+    node's LOCAL_WORLD_SIZE ranks."""
+    ranks = max(local_world_size(), 1)
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    tasks = _slurm_tasks_on_node()
+    if cpus.isdigit() and int(cpus) > 0 and tasks:
+        return max(1, int(cpus) // max(1, ranks // tasks))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    return max(1, cores // ranks)
+
+
+def _slurm_tasks_on_node() -> int | None:
+    """The number of tasks of this SLURM step on this node (SLURM_STEP_TASKS_PER_NODE,
+    e.g. "2(x3),1", indexed by SLURM_NODEID); None outside SLURM."""
+    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get(
+        "SLURM_TASKS_PER_NODE", ""
+    )
+    counts: list[int] = []
+    for part in filter(None, spec.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if match is None:
+            return None
+        counts += [int(match[1])] * int(match[2] or 1)
+    node = int(os.environ.get("SLURM_NODEID", "0") or 0)
+    return counts[node] if node < len(counts) else None
+
+
 def init_process_group(cfg: CfgNode) -> None:
     """Joins the env:// process group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
     with a timeout on every collective, so a lost rank stops the job instead of
     hanging it; sets this process's GPU (LOCAL_RANK, checked) and CPU threads."""
     if not torch.cuda.is_available():
-        # N processes on one CPU box share its cores: no oversubscription.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        torch.set_num_threads(max(1, cores // max(local_world_size(), 1)))
+        torch.set_num_threads(cpu_threads())
     dist.init_process_group(
         backend_for(cfg), timeout=_timeout(cfg), **_bind_device(cfg)
     )

@@ -1,8 +1,10 @@
 """LAUNCH.MODE submitit_local and slurm, end to end: a 2-rank job trains as a local
 2-process run does, bit for bit; a job stopped by the time-limit signal (USR2) or
 preempted (`scontrol requeue`) resumes and ends identical; a failing job reports its
-reason. The SLURM tests start a real single-node cluster (tests/slurm/cluster.sh)
-when SLURM is installed (`make test` installs it as root), else they skip.
+reason; a job of two nodes (two slurmd daemons on this host) preempted and resumed
+ends identical too. The SLURM tests start a real two-node cluster on this host
+(tests/slurm/cluster.sh) when SLURM is installed (`make test` installs it as root),
+else they skip.
 """
 
 import os
@@ -144,7 +146,7 @@ def _cluster_answers():
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    """A running single-node cluster: this machine's, or one started here (and
+    """A running cluster: this machine's, or the two-node one started here (and
     stopped after the tests)."""
     missing = [p for p in ("sbatch", "slurmctld", "slurmd", "munged")
                if shutil.which(p) is None]  # fmt: skip
@@ -220,6 +222,41 @@ def test_a_stopped_slurm_job_resumes_and_ends_identical(
     log = _log(tmp_path)
     signame = "SIGUSR2" if how == "time_limit_signal" else "SIGTERM"
     assert f"stopped by {signame}" in log and "resumed from" in log
+    _assert_same_weights(tmp_path, reference)
+
+
+def _nodes():
+    """The cluster's node names (whatever their state)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True,
+                         text=True, timeout=10)  # fmt: skip
+    return sorted(set(out.stdout.split()))
+
+
+def test_a_two_node_slurm_job_preempted_resumes_and_ends_identical(
+    slurm, digits, tmp_path, reference
+):
+    """MAX_GPUS_PER_NODE 1: the 2 ranks are a job of 2 nodes x 1 task (two slurmd
+    daemons on this host, tests/slurm/cluster.sh). The ranks meet at the first
+    node's name, each node's rank is LOCAL_RANK 0; preempted (`scontrol requeue`)
+    in epoch 2, the job starts again on both nodes, resumes and ends as the local
+    2-process run does, bit for bit."""
+    if len(_nodes()) < 2:
+        pytest.skip(f"the running SLURM cluster has one node ({_nodes()})")
+    opts = _slurm_opts(digits, tmp_path, "MAX_GPUS_PER_NODE", "1")
+    proc = _train(*opts, wait=False)
+    job_id = _job_id(proc)
+    _wait_for(_in_epoch(tmp_path, 2), 180, "epoch 2")
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
+                           text=True).stdout  # fmt: skip
+    assert re.search(r"NumNodes=2 ", shown) and "NodeList=pycls-n[1-2]" in shown, shown
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    _start_now(job_id)
+    code, out, err = _finish(proc)
+    assert code == 0, err
+    log = _log(tmp_path)
+    assert "stopped by SIGTERM" in log and "resumed from" in log
+    script = (tmp_path / "submitit" / f"{job_id}_submission.sh").read_text()
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
     _assert_same_weights(tmp_path, reference)
 
 

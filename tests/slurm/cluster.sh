@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# A throw-away single-node SLURM cluster for the integration tests (Debian's slurmctld,
-# slurmd and munge; no slurmdbd, no systemd, no cgroups): every daemon is started by
-# hand and stopped by the pid recorded here.
+# A throw-away SLURM cluster of two nodes on this one host for the integration tests
+# (Debian's slurmctld, slurmd and munge; no slurmdbd, no systemd, no cgroups): every
+# daemon is started by hand and stopped by the pid recorded here.
 #
 #   cluster.sh install   apt-get install the packages if missing (root, apt-get)
-#   cluster.sh up        write the configs, start munged, slurmctld, slurmd
+#   cluster.sh up        write the configs, start munged, slurmctld and one slurmd per
+#                        node (`slurmd -N <node>`: each its own port, spool, log, pid)
 #   cluster.sh down      stop only the daemons `up` recorded
+#
+# The nodes, pycls-n1 and pycls-n2, are this host under two names (added to
+# /etc/hosts on 127.0.0.1 while the cluster is up: a job's ranks find their master
+# by the first node's name, as on a cluster). Each node offers all of this host's
+# cores and memory, so a job of one node fits as on the single-node cluster and a
+# job of two nodes gets one task on each.
 #
 # STATE (default /tmp/pycls_fast_slurm) holds the pid list and the logs.
 set -uo pipefail
@@ -13,7 +20,9 @@ STATE=${STATE:-/tmp/pycls_fast_slurm}
 PIDS=$STATE/pids
 HOST=$(hostname -s)
 PKGS=(slurmctld slurmd slurm-client munge)
-PIDFILES="/run/munge/munged.pid /run/slurmctld.pid /run/slurmd.pid"
+NODES=(pycls-n1 pycls-n2)
+PIDFILES="/run/munge/munged.pid /run/slurmctld.pid /run/slurmd-pycls-n1.pid /run/slurmd-pycls-n2.pid"
+HOSTS_MARK="# pycls_fast test cluster"
 mkdir -p "$STATE"
 
 wait_for() {  # wait_for SECONDS CMD...
@@ -43,10 +52,12 @@ install() {
 
 write_configs() {
   local mem; mem=$(free -m | awk '/^Mem:/{print int($2*0.9)}')
-  mkdir -p /etc/slurm /var/lib/slurm/slurmctld /var/lib/slurm/slurmd /var/log/slurm
+  mkdir -p /etc/slurm /var/lib/slurm/slurmctld /var/log/slurm
+  local node
+  for node in "${NODES[@]}"; do mkdir -p "/var/lib/slurm/slurmd/$node"; done
   chown slurm:slurm /var/lib/slurm/slurmctld /var/log/slurm 2>/dev/null || true
   cat > /etc/slurm/slurm.conf <<CONF
-# written by pycls_fast tests/slurm/cluster.sh: a single-node test cluster
+# written by pycls_fast tests/slurm/cluster.sh: a two-node test cluster on one host
 ClusterName=pycls_fast_test
 SlurmctldHost=$HOST
 SlurmUser=slurm
@@ -69,12 +80,13 @@ SwitchType=switch/none
 KillWait=10
 MinJobAge=300
 SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
-SlurmdSpoolDir=/var/lib/slurm/slurmd
+SlurmdPidFile=/run/slurmd-%n.pid
+SlurmdSpoolDir=/var/lib/slurm/slurmd/%n
 StateSaveLocation=/var/lib/slurm/slurmctld
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
-SlurmdLogFile=/var/log/slurm/slurmd.log
-NodeName=$HOST CPUs=$(nproc) RealMemory=$mem State=UNKNOWN
+SlurmdLogFile=/var/log/slurm/slurmd-%n.log
+NodeName=${NODES[0]} NodeHostname=$HOST NodeAddr=127.0.0.1 Port=17101 CPUs=$(nproc) RealMemory=$mem State=UNKNOWN
+NodeName=${NODES[1]} NodeHostname=$HOST NodeAddr=127.0.0.1 Port=17102 CPUs=$(nproc) RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
 }
@@ -90,6 +102,9 @@ up() {
     rm -f "$f"
   done
   write_configs
+  local node
+  grep -q "$HOSTS_MARK" /etc/hosts \
+    || echo "127.0.0.1 ${NODES[*]} $HOSTS_MARK" >> /etc/hosts
   if [ ! -s /etc/munge/munge.key ]; then
     mungekey -c -f -k /etc/munge/munge.key && chown munge:munge /etc/munge/munge.key
     chmod 600 /etc/munge/munge.key
@@ -102,10 +117,13 @@ up() {
   slurmctld -c || return 1
   wait_for 10 test -s /run/slurmctld.pid || return 1
   echo "slurmctld $(cat /run/slurmctld.pid)" >> "$PIDS"
-  slurmd || return 1
-  wait_for 10 test -s /run/slurmd.pid || return 1
-  echo "slurmd $(cat /run/slurmd.pid)" >> "$PIDS"
-  wait_for 30 sh -c "sinfo -h -o %T | grep -qx idle" || { echo "cluster.sh: node never idle"; sinfo; return 1; }
+  for node in "${NODES[@]}"; do
+    slurmd -N "$node" || return 1
+    wait_for 10 test -s "/run/slurmd-$node.pid" || return 1
+    echo "slurmd $(cat "/run/slurmd-$node.pid")" >> "$PIDS"
+  done
+  wait_for 30 sh -c '[ "$(sinfo -h -N -o %T | grep -cx idle)" = 2 ]' \
+    || { echo "cluster.sh: the nodes never became idle"; sinfo -N; return 1; }
 }
 
 down() {
@@ -121,6 +139,9 @@ down() {
     done
   fi
   rm -f "$PIDS"
+  # Rewritten in place: /etc/hosts may be a bind mount (a container's).
+  local hosts; hosts=$(grep -v "$HOSTS_MARK" /etc/hosts)
+  printf '%s\n' "$hosts" > /etc/hosts
   local f
   for f in $PIDFILES; do [ -s "$f" ] && [ ! -d "/proc/$(cat "$f")" ] && rm -f "$f"; done
   return 0

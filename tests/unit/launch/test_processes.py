@@ -24,3 +24,39 @@ def test_more_cpu_ranks_than_cores_are_warned_of(capsys):
     )
     warn_cpu_oversubscription(cores + 1, gpus=True)
     assert capsys.readouterr().err == ""
+
+
+SLURM_VARS = ("SLURM_CPUS_PER_TASK", "SLURM_STEP_TASKS_PER_NODE",
+              "SLURM_TASKS_PER_NODE", "SLURM_NODEID")  # fmt: skip
+
+
+def test_cpu_threads_are_the_ranks_share_of_its_cpus(monkeypatch):
+    from pycls_fast.launch.processes import cpu_threads
+
+    for key in SLURM_VARS:
+        monkeypatch.delenv(key, raising=False)
+    cores = len(os.sched_getaffinity(0))
+    # A local spawn or torchrun: the node's ranks share the cores.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert cpu_threads() == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))
+    assert cpu_threads() == 1
+    # LAUNCH.MODE slurm: every rank is a task of 10 CPUs (8 tasks on node 1 of 2).
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "10")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "8(x2)")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    assert cpu_threads() == 10
+    # sbatch running torchrun: one task of 80 CPUs per node runs the 8 ranks.
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "80")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "1(x2)")
+    assert cpu_threads() == 10
+    # Uneven steps are read per node; an unreadable one falls back to the cores.
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "1,8")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "10")
+    assert cpu_threads() == 10
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    assert cpu_threads() == 1
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "weird")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert cpu_threads() == cores
