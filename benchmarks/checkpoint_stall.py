@@ -14,7 +14,9 @@ once synchronously and once with TRAIN.CHECKPOINT_ASYNC (A, B, A, B, ...), timin
 - the step time without a write (the median of steps just before the save and just
   after the write) and while the asynchronous write is in flight (the writer thread
   shares the CPU cores, the memory bandwidth and the disk with training);
-- the write's total time (asynchronous: from the save until the write completes).
+- the write's total time (asynchronous: from the save until the write completes);
+- the training time the checkpoint costs: the stall plus, asynchronously, what the
+  steps run beside the write lost (their number x the step time's growth).
 Medians over the rounds; ratios async / sync. Checkpoints go to a temporary folder
 (deleted after), CHECKPOINT_KEEP 1.
 """
@@ -116,9 +118,17 @@ def main():
                 # The steps right before and right after the write are the step
                 # time without one (the machine drifts: both sides of it).
                 quiet += [step() for _ in range(3)]
+                slower = (
+                    len(during) * (statistics.median(during) - statistics.median(quiet))
+                    if during
+                    else 0.0
+                )
                 results[mode].append(
                     {
                         "stall_s": stall,
+                        # What the checkpoint costs training: its stall, plus what
+                        # the steps beside the write lost to the writer thread.
+                        "lost_s": stall + slower,
                         "write_s": write,
                         "step_s": statistics.median(quiet),
                         "step_during_write_s": (
@@ -143,6 +153,8 @@ def main():
         "params": params,
         "sync_stall_s": med("sync", "stall_s"),
         "async_stall_s": med("async", "stall_s"),
+        "sync_lost_s": med("sync", "lost_s"),
+        "async_lost_s": med("async", "lost_s"),
         "async_write_s": med("async", "write_s"),
         "step_s": med("async", "step_s"),
         "step_during_write_s": med("async", "step_during_write_s"),
@@ -153,6 +165,7 @@ def main():
     }
     stalls = summary["async_stall_s"], summary["sync_stall_s"]
     summary["async_over_sync_stall"] = stalls[0] / stalls[1]
+    summary["async_over_sync_lost"] = summary["async_lost_s"] / summary["sync_lost_s"]
     summary["step_slowdown_during_write"] = (
         summary["step_during_write_s"] / summary["step_s"]
     )
@@ -164,6 +177,11 @@ def main():
     print(
         f"| training stall per checkpoint (s) | {summary['sync_stall_s']:.2f} | "
         f"{summary['async_stall_s']:.2f} | {summary['async_over_sync_stall']:.2f} |"
+    )
+    print(
+        f"| training time lost per checkpoint (s): stall + slower steps beside the "
+        f"write | {summary['sync_lost_s']:.2f} | {summary['async_lost_s']:.2f} | "
+        f"{summary['async_over_sync_lost']:.2f} |"
     )
     print(
         f"| write until complete (s) | {med('sync', 'write_s'):.2f} | "
