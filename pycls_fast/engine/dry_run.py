@@ -324,12 +324,17 @@ class LiveBytes(TorchDispatchMode):
         self.live += n
         self.peak = max(self.peak, self.live)
 
-    def _resized(self, st: torch.UntypedStorage) -> None:
+    def _resized(self, st: torch.UntypedStorage, before: int) -> None:
         key = id(st)
         if key in self._sizes and self._refs[key]() is st:
             n = st.nbytes()
             self._grow(n - self._sizes[key])
             self._sizes[key] = n
+        elif before == 0 and _active_fake_mode() is self._fake:
+            # A storage made before the tracker and freed (FSDP's unsharded
+            # parameters and gradients, resized to 0 after the last step) grows
+            # back: new bytes of this step, until it is freed again.
+            self._add(st)
 
     def __enter__(self):
         self._fake = _active_fake_mode()
@@ -338,8 +343,9 @@ class LiveBytes(TorchDispatchMode):
 
         @wraps(orig)
         def resize_(st, size):
+            before = st.nbytes()
             out = orig(st, size)
-            self._resized(st)
+            self._resized(st, before)
             return out
 
         torch.UntypedStorage.resize_ = resize_
@@ -361,9 +367,18 @@ class LiveBytes(TorchDispatchMode):
         # DTensor's sharding propagation runs ops under its own fake mode: not
         # memory of the run.
         if _active_fake_mode() is self._fake:
+            # An in-place or out= op, or a view, returns an input's storage: no new
+            # bytes (the optimizer's update of parameters made before the tracker).
+            inputs = {
+                id(t.untyped_storage())
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)
+            }
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
-                    self._add(t.untyped_storage())
+                    st = t.untyped_storage()
+                    if id(st) not in inputs:
+                        self._add(st)
         return out
 
 

@@ -51,6 +51,21 @@ def test_dry_run_rank_state_matches_planner():
         dry_run(cfg, 1)
 
 
+def test_in_place_updates_of_older_tensors_are_no_new_bytes():
+    """What the optimizer does to tensors made before the tracker (an update in
+    place, a view of one) adds nothing; a new tensor adds its bytes, once."""
+    param, grad = torch.zeros(1000), torch.ones(1000)
+    meter = LiveBytes()
+    with meter:
+        param.add_(grad, alpha=-0.1)
+        torch.add(param, grad, out=param)
+        param.view(10, 100).mul_(2)
+        assert meter.live == meter.peak == 0
+        new = param * 2  # noqa: F841 (kept alive: its 4000 bytes are live)
+        assert meter.live == meter.peak == 4000
+    assert torch.equal(param, torch.full((1000,), 1.8))
+
+
 def _step_bytes(model, checkpoint):
     """(bytes live after the forward, peak) of one forward and backward."""
     if checkpoint:
