@@ -52,6 +52,12 @@ GRAD_ACCUM = f"{UNIT}/engine/test_grad_accum.py"
 TRAINER = f"{UNIT}/engine/test_trainer.py"
 MANAGER = f"{UNIT}/checkpoint/test_manager.py"
 TP_PLAN = f"{UNIT}/parallel/test_tensor_parallel_plan.py"
+FILES = f"{UNIT}/checkpoint/test_files.py"
+DATA_PARALLEL = f"{UNIT}/parallel/test_data_parallel.py"
+PP_OVERFLOW = (
+    "tests/integration/test_pipeline_parallel.py::"
+    "test_an_fp16_overflow_in_one_stage_skips_the_step_in_all"
+)
 RESUME = f"{TRAINER}::test_resume_with_ema_ends_identical"
 OVERFLOW = f"{COMPONENTS}::test_fp16_overflow_step_is_skipped_without_touching_weights"
 O2 = f"{COMPONENTS}::test_o2_keeps_fp32_master_weights_and_fp32_layer_norm"
@@ -78,6 +84,8 @@ TARGETS = (
             f"{COMPONENTS}::test_weight_decay_groups_follow_pycls",
             f"{COMPONENTS}::test_fused_or_foreach_is_chosen_at_construction",
             f"{COMPONENTS}::test_mta_and_loop_optimizers_agree",
+            f"{COMPONENTS}::test_frozen_parameters_join_no_group_and_stay_as_they_are",
+            f"{COMPONENTS}::test_mta_on_fsdp_shards_steps_as_the_loop",
             f"{UNIT}/components/test_layer_decay.py",
         ),
     ),
@@ -107,18 +115,19 @@ TARGETS = (
         (
             f"{MANAGER}::test_retention_keeps_the_last_k_the_newest_and_the_protected",
             f"{MANAGER}::test_keep_best_points_at_the_lowest_test_error",
+            FILES,
             RESUME,
         ),
     ),
     Target(
         "checkpoint sharded",
         "pycls_fast/checkpoint/sharded.py",
-        (f"{RESUME}[fsdp]",),
+        (FILES, f"{RESUME}[fsdp]"),
     ),
     Target(
         "data parallel",
         "pycls_fast/parallel/data_parallel.py",
-        (O2, f"{RESUME}[fsdp]"),
+        (DATA_PARALLEL, O2, f"{RESUME}[fsdp]"),
     ),
     Target(
         "trainer step",
@@ -130,6 +139,7 @@ TARGETS = (
             O2,
             f"{UNIT}/engine/test_distill.py::test_a_step_with_a_teacher_trains_both_heads",
             f"{GRAD_ACCUM}::test_micro_batches_give_the_whole_batch_step[ce-True]",
+            PP_OVERFLOW,
         ),
         only=("train_step", "forward_backward", "mean_logits", "_gradient_sync"),
     ),

@@ -404,11 +404,10 @@ def train_step(parts, inputs, targets, weight=1.0):
     loss, logits = forward_backward(parts, inputs, targets, weight)
     if parts.master is not None:
         parts.master.grads_to_master()
+    # The overflow flag is reduced over every rank (an overflow in any stage or
+    # shard skips the step in all of them).
     found_inf = parts.scaler.unscale_(parts.opt_params)
     stages = parts.pipeline.group if parts.pipeline is not None else None
-    if found_inf is not None and stages is not None:
-        # An overflow in any stage skips the step in all of them.
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=stages)
     skip = found_inf
     if parts.spike_guard is not None:
         spike = parts.spike_guard.check(loss, judge=weight != 0)

@@ -115,3 +115,33 @@ def test_a_batch_short_of_bad_images_is_filled_with_its_own(tmp_path):
         _short_step, load_cfg(None, [*BASE, "OUT_DIR", str(tmp_path / "filled")])
     )
     assert short == pytest.approx(filled, rel=1e-5)
+
+
+def _step_with_an_overflow_in_the_last_stage(cfg):
+    """One fp16 step in which only the last stage's gradients overflow; rank 0 (the
+    first stage, whose own gradients are finite) returns (its found_inf, whether
+    its weights stayed, the loss scale before and after)."""
+    import torch.distributed as dist
+
+    seed_everything(0)
+    parts = build_components(cfg, loaders=False)
+    if dist.get_rank() == 1:
+        for p in parts.model.parameters():
+            p.register_hook(lambda g: torch.full_like(g, float("inf")))
+    before = {k: v.clone() for k, v in parts.model.state_dict().items()}
+    scale = float(parts.scaler.scale(torch.ones(())))
+    inputs, targets = timing.synthetic_batch(parts, 8, cfg.TRAIN.IM_SIZE)
+    _, _, found_inf = train_step(parts, inputs, targets)
+    after = parts.model.state_dict()
+    stayed = all(torch.equal(after[k], v) for k, v in before.items())
+    return float(found_inf), stayed, scale, float(parts.scaler.scale(torch.ones(())))
+
+
+def test_an_fp16_overflow_in_one_stage_skips_the_step_in_all():
+    cfg = load_cfg(None, [*BASE, "NUM_GPUS", "2", "PARALLEL.PP", "2",
+                          "AMP.MODE", "O1", "AMP.DTYPE", "fp16"])  # fmt: skip
+    found_inf, stayed, scale, new_scale = launch.launch(
+        _step_with_an_overflow_in_the_last_stage, cfg
+    )
+    assert found_inf == 1.0 and stayed
+    assert new_scale == scale / 2  # both stages back off alike

@@ -164,6 +164,21 @@ def test_fused_or_foreach_is_chosen_at_construction(monkeypatch):
     assert not optimizer.fused_supported(ints)
 
 
+def test_frozen_parameters_join_no_group_and_stay_as_they_are():
+    cfg = tiny_cfg("OPTIM.OPTIMIZER", "adamw", "OPTIM.WEIGHT_DECAY", "0.5")
+    model = build_model(cfg)
+    frozen = model.pos_embedding
+    frozen.requires_grad_(False)
+    groups = param_groups(model, cfg)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters() if p.requires_grad)
+    before = frozen.clone()
+    opt = construct_optimizer(groups, cfg)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    opt.step()  # weight decay would move a frozen parameter that joined a group
+    assert torch.equal(frozen, before) and frozen not in opt.state
+
+
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_mta_on_fsdp_shards_steps_as_the_loop(name):
     """FSDP2's parameters are DTensors: DTensor has no rule for torch's fused SGD

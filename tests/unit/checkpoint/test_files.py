@@ -1,0 +1,71 @@
+"""checkpoint/files.py's weights paths and checkpoint/sharded.py's consolidation:
+what TEST.WEIGHTS / TRAIN.WEIGHTS naming a run folder resolve to, and what a sharded
+checkpoint consolidated into one file holds."""
+
+import os
+
+import pytest
+import torch
+
+from pycls_fast.checkpoint import files, sharded
+from pycls_fast.errors import CheckpointError
+from pycls_fast.models import build_model
+from tests.helpers import tiny_cfg
+
+
+def _touch(folder, *names):
+    os.makedirs(folder, exist_ok=True)
+    for name in names:
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(b"x")
+
+
+def test_a_run_folder_names_its_newest_complete_checkpoint(tmp_path):
+    run = str(tmp_path / "run")
+    ckpts = files.checkpoint_dir(run)
+    # 5 iterations into epoch 3 is newer than the end of epoch 2, older than the
+    # end of epoch 3 (whose write did not complete: .tmp).
+    names = [
+        "model_epoch_0001.pyth",
+        "model_epoch_0003_iter_000005.pyth",
+        "model_epoch_0002.pyth",
+        "model_epoch_0003.pyth.tmp",
+        "notes.txt",
+    ]
+    _touch(ckpts, *names)
+    newest = os.path.join(ckpts, "model_epoch_0003_iter_000005.pyth")
+    assert files.resolve_weights(run) == (newest, f"newest in {ckpts}")
+    # Its checkpoints/ folder names the same file; a file names itself.
+    assert files.resolve_weights(ckpts) == (newest, f"newest in {ckpts}")
+    given = os.path.join(ckpts, "model_epoch_0001.pyth")
+    assert files.resolve_weights(given) == (given, "given")
+
+
+def test_a_folder_without_a_checkpoint_says_what_it_holds(tmp_path):
+    run = str(tmp_path / "run")
+    _touch(files.checkpoint_dir(run), "model_epoch_0001.pyth.tmp")
+    _touch(run, "stdout.log")
+    with pytest.raises(CheckpointError, match="no complete checkpoint in .*run") as e:
+        files.resolve_weights(run)
+    assert "holds: checkpoints, stdout.log" in str(e.value)
+    with pytest.raises(CheckpointError, match="checkpoint not found"):
+        files.resolve_weights(str(tmp_path / "missing"))
+
+
+def test_a_consolidated_sharded_checkpoint_holds_its_weights_and_meta(tmp_path):
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    model, ema = build_model(cfg), build_model(cfg)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = str(tmp_path / "model_epoch_0003.dcp")
+    meta = {"epoch": 3, "iter": 0, "cfg": "MODEL:\n  TYPE: vit\n"}
+    sharded.save(path, model, optimizer, ema, meta, {})
+    out = str(tmp_path / "consolidated.pyth")
+    returned = sharded.consolidate(path, out)
+    assert returned["epoch"] == 3 and returned["cfg"] == meta["cfg"]
+    state = files.load_checkpoint(out)
+    assert (state["epoch"], state["iter"], state["cfg"]) == (3, 0, meta["cfg"])
+    for key, value in model.state_dict().items():
+        assert torch.equal(state["model_state"][key], value), key
+    for key, value in ema.state_dict().items():
+        assert torch.equal(state["ema_state"][key], value), key
