@@ -83,6 +83,8 @@ TARGETS = (
             f"{COMPONENTS}::test_lr_policies_and_warmup",
             f"{COMPONENTS}::test_weight_decay_groups_follow_pycls",
             f"{COMPONENTS}::test_fused_or_foreach_is_chosen_at_construction",
+            f"{COMPONENTS}::"
+            "test_optimizer_names_build_torchs_classes_with_the_configs_values",
             f"{COMPONENTS}::test_mta_and_loop_optimizers_agree",
             f"{COMPONENTS}::test_frozen_parameters_join_no_group_and_stay_as_they_are",
             f"{COMPONENTS}::test_mta_on_fsdp_shards_steps_as_the_loop",

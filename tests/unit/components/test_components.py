@@ -16,7 +16,7 @@ from pycls_fast.config import get_cfg
 from pycls_fast.engine.trainer import build_components, train_step
 from pycls_fast.errors import ConfigError
 from pycls_fast.models import build_model
-from tests.helpers import tiny_cfg
+from tests.helpers import EXACT, float64_default, tiny_cfg
 
 MODES = [
     ("fp32", "bf16"),
@@ -123,13 +123,16 @@ def test_describe_precision():
 
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 def test_mta_and_loop_optimizers_agree(name):
+    """The fused kernel and the loop compute the same update: in float64 they agree
+    to summation-order noise (EXACT), on any CPU."""
     results = []
     for mta in ("True", "False"):
         cfg = tiny_cfg(
             "OPTIM.OPTIMIZER", name, "OPTIM.MTA", mta, "OPTIM.BASE_LR", "0.01"
         )
         torch.manual_seed(0)
-        model = build_model(cfg)
+        with float64_default():
+            model = build_model(cfg)
         torch.nn.init.normal_(model.head.head_fc.weight)
         opt = construct_optimizer(param_groups(model, cfg), cfg)
         assert bool(opt.defaults["fused"]) is (mta == "True")
@@ -138,12 +141,26 @@ def test_mta_and_loop_optimizers_agree(name):
         g = torch.Generator().manual_seed(2)
         for _ in range(3):
             for p in model.parameters():
-                p.grad = torch.randn(p.shape, generator=g)
+                p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
             opt.step()
             opt.zero_grad()
         results.append(model.state_dict())
     for k in results[0]:
-        torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-5, atol=1e-6)
+        assert results[0][k].dtype == torch.float64
+        torch.testing.assert_close(results[0][k], results[1][k], **EXACT)
+
+
+def test_optimizer_names_build_torchs_classes_with_the_configs_values():
+    for name, cls in (("sgd", torch.optim.SGD), ("adam", torch.optim.Adam),
+                      ("adamw", torch.optim.AdamW)):  # fmt: skip
+        cfg = tiny_cfg("OPTIM.OPTIMIZER", name, "OPTIM.BASE_LR", "0.25",
+                       "OPTIM.MOMENTUM", "0.8", "OPTIM.BETA1", "0.7")  # fmt: skip
+        opt = construct_optimizer(param_groups(build_model(cfg), cfg), cfg)
+        assert type(opt) is cls and opt.defaults["lr"] == 0.25
+        if name == "sgd":
+            assert opt.defaults["momentum"] == 0.8
+        else:
+            assert opt.defaults["betas"] == (0.7, cfg.OPTIM.BETA2)
 
 
 def test_fused_or_foreach_is_chosen_at_construction(monkeypatch):
