@@ -16,7 +16,7 @@ from pycls_fast.engine import trainer
 from pycls_fast.engine.trainer import build_components
 from pycls_fast.models import build_model
 from pycls_fast.models.pycls_compat import from_pycls_main, is_pycls_main
-from tests.helpers import DIGITS_CFG, tiny_cfg
+from tests.helpers import DIGITS_CFG, EXACT, float64_default, tiny_cfg
 
 _OURS_TO_MAIN = {
     "self_attention.attn_proj.weight": "self_attention.block.in_proj_weight",
@@ -52,7 +52,7 @@ def pycls_main_forward(state, cfg, model, x):
     x = x + state["pos_embedding"]
     for i in range(cfg.VIT.NUM_LAYERS):
         block = getattr(model.encoder, f"block_{i}")
-        mha = nn.MultiheadAttention(d, heads, batch_first=False)
+        mha = nn.MultiheadAttention(d, heads, batch_first=False, dtype=x.dtype)
         prefix = f"encoder.block_{i}.self_attention.block."
         mha.load_state_dict(
             {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
@@ -68,17 +68,20 @@ def pycls_main_forward(state, cfg, model, x):
 def test_pycls_main_weights_give_pycls_logits(tmp_path):
     for classifier in ("token", "pooled"):
         cfg = tiny_cfg("VIT.CLASSIFIER_TYPE", classifier)
-        state = pycls_main_state(cfg)
+        # pycls's forward of the same weights, in float64: equal up to EXACT.
+        with float64_default():
+            state = pycls_main_state(cfg)
+            model = build_model(cfg).eval()
+            x = torch.randn(2, 3, 32, 32)
         assert is_pycls_main(state)
-        model = build_model(cfg).eval()
         path = tmp_path / f"pycls_{classifier}.pyth"
         torch.save({"model_state": state, "epoch": 3}, path)  # pycls's layout
         load_model_weights(model, str(path))
-        x = torch.randn(2, 3, 32, 32)
         with torch.no_grad():
             ours = model(x)
             theirs = pycls_main_forward(state, cfg, model, x)
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        assert ours.dtype == torch.float64
+        torch.testing.assert_close(ours, theirs, **EXACT)
 
 
 def test_our_names_pass_through_unchanged():

@@ -6,7 +6,7 @@ import torch
 from pycls_fast.config import ConfigError
 from pycls_fast.models import build_model
 from pycls_fast.models.timm_compat import build_timm_vit, from_timm, to_timm
-from tests.helpers import tiny_cfg
+from tests.helpers import EXACT, float64_default, tiny_cfg
 
 
 def _random_timm(cfg):
@@ -24,35 +24,42 @@ def test_same_logits_as_timm(cls, layout, layer_scale):
     cfg = tiny_cfg(
         "VIT.CLASSIFIER_TYPE", cls, "VIT.LAYOUT", layout, "VIT.LAYER_SCALE", layer_scale
     )
-    timm_model = _random_timm(cfg)
-    ours = build_model(cfg).eval()
+    # The same model in float64: equal up to summation order (EXACT).
+    with float64_default():
+        timm_model = _random_timm(cfg)
+        ours = build_model(cfg).eval()
+        x = torch.randn(3, 3, 32, 32)
     ours.load_state_dict(from_timm(timm_model.state_dict(), cfg))
-    x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
         expected, got = timm_model(x), ours(x)
     assert expected.abs().max() > 0.1  # the comparison is not between zeros
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, **EXACT)
 
 
 def test_qk_norm_same_logits_as_timm_and_exact_round_trip():
     """VIT.QK_NORM is timm's qk_norm: same logits for the same weights, and the
     q / k norms map both ways; a checkpoint and a config that disagree are refused."""
     cfg = tiny_cfg("VIT.QK_NORM", "True")
-    timm_model = _random_timm(cfg)
+    # The same model in float64: equal up to summation order (EXACT).
+    with float64_default():
+        timm_model = _random_timm(cfg)
+        ours = build_model(cfg).eval()
+        x = torch.randn(3, 3, 32, 32)
     assert any(".attn.q_norm." in k for k in timm_model.state_dict())
-    ours = build_model(cfg).eval()
     ours.load_state_dict(from_timm(timm_model.state_dict(), cfg))
-    x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
         expected, got = timm_model(x), ours(x)
     assert expected.abs().max() > 0.1
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, **EXACT)
     back = to_timm(from_timm(timm_model.state_dict(), cfg), cfg)
     assert sorted(back) == sorted(timm_model.state_dict())
     with pytest.raises(ConfigError, match="VIT.QK_NORM"):
         from_timm(timm_model.state_dict(), tiny_cfg())
     # Without the norms the logits differ: the norms are in the forward.
-    plain = build_model(tiny_cfg()).eval()
+    with float64_default():
+        plain = build_model(tiny_cfg()).eval()
     state = {k: v for k, v in ours.state_dict().items() if "_norm." not in k}
     plain.load_state_dict(state)
     with torch.no_grad():

@@ -9,7 +9,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pycls_fast.config import load_cfg
 from pycls_fast.models import build_model, complexity, vit
-from tests.helpers import ROOT, sampling_band, tiny_cfg, vit_param_count
+from tests.helpers import (
+    EXACT,
+    ROOT,
+    float64_default,
+    sampling_band,
+    tiny_cfg,
+    vit_param_count,
+)
 
 CONV_STEM = [
     "VIT.STEM_TYPE", "conv",
@@ -31,24 +38,26 @@ def test_forward_shape_and_dtype(cls, stem):
 @pytest.mark.parametrize("cls", ["token", "pooled"])
 @pytest.mark.parametrize("stem", ["patchify", "conv"])
 def test_layouts_give_identical_outputs_and_grads(cls, stem):
+    """Same math, summed in another order: in float64 equal up to EXACT."""
     extra = CONV_STEM if stem == "conv" else []
-    first = build_model(
-        tiny_cfg("VIT.LAYOUT", "batch_first", "VIT.CLASSIFIER_TYPE", cls, *extra)
-    )
-    second = build_model(
-        tiny_cfg("VIT.LAYOUT", "batch_second", "VIT.CLASSIFIER_TYPE", cls, *extra)
-    )
+    with float64_default():
+        first = build_model(
+            tiny_cfg("VIT.LAYOUT", "batch_first", "VIT.CLASSIFIER_TYPE", cls, *extra)
+        )
+        second = build_model(
+            tiny_cfg("VIT.LAYOUT", "batch_second", "VIT.CLASSIFIER_TYPE", cls, *extra)
+        )
+        x = torch.randn(4, 3, 32, 32)
     # A non-zero head, so that gradients reach every parameter.
     torch.nn.init.normal_(first.head.head_fc.weight)
     second.load_state_dict(first.state_dict())
-    x = torch.randn(4, 3, 32, 32)
     out_first, out_second = first(x), second(x)
-    torch.testing.assert_close(out_first, out_second, rtol=0, atol=1e-5)
+    assert out_first.dtype == torch.float64
+    torch.testing.assert_close(out_first, out_second, **EXACT)
     out_first.square().sum().backward()
     out_second.square().sum().backward()
     for (name, a), (_, b) in zip(first.named_parameters(), second.named_parameters()):
-        # Same math, summed in another order: equal up to fp32 rounding of the largest.
-        assert (a.grad - b.grad).abs().max() <= 1e-5 * a.grad.abs().max(), name
+        torch.testing.assert_close(a.grad, b.grad, **EXACT, msg=name)
 
 
 def test_pooled_classifier_is_norm_then_mean():
@@ -181,11 +190,12 @@ def test_param_count_equals_module_for_every_config(path):
 def test_attention_kernels_agree():
     from pycls_fast.models.attention import KERNELS, attend
 
-    q, k, v = torch.randn(3, 2, 4, 17, 8).unbind(0)
+    # The same attention in other kernels: in float64 equal up to EXACT.
+    q, k, v = torch.randn(3, 2, 4, 17, 8, dtype=torch.float64).unbind(0)
     ref = attend(q, k, v, "explicit")
     for kernel in ["sdpa", "sdpa_math", "sdpa_flash", "auto"]:
         assert kernel == "auto" or kernel in KERNELS
-        torch.testing.assert_close(attend(q, k, v, kernel), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(attend(q, k, v, kernel), ref, **EXACT)
 
 
 def test_conv_stem_init_matches_pycls_main():
