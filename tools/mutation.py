@@ -159,6 +159,10 @@ TARGETS = (
 # Mutants judged equivalent (no behaviour changes), by key (see Mutant.key), with
 # the reason; they count apart from the survivors in the report.
 EQUIVALENT: dict[str, str] = {
+    "pycls_fast/checkpoint/files.py:safe_load:unary0:-1": (
+        "torch's 'Unsupported global' line always reads 'GLOBAL <name>', so the "
+        "split has two parts and [1] is [-1]"
+    ),
     "pycls_fast/components/ema.py:ema_enabled:compare1:"
     "cfg.OPTIM.EMA_UPDATE_PERIOD > 0": "config.py accepts only EMA_UPDATE_PERIOD > 0 "
     "(gt=0), so `>= 0` holds exactly when `> 0` does",
