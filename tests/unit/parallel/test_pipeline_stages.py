@@ -15,7 +15,7 @@ from pycls_fast.parallel.pipeline import (
     stage_bounds,
     stage_union,
 )
-from tests.helpers import tiny_cfg
+from tests.helpers import EXACT, float64_default, tiny_cfg
 
 
 def _cfg(*opts):
@@ -57,12 +57,15 @@ def test_chained_stages_are_the_whole_model(layout):
     cfg = _cfg("PARALLEL.PP_SCHEDULE", "interleaved", "VIT.LAYOUT", layout,
                "VIT.CLASSIFIER_TYPE", "token")  # fmt: skip
     torch.manual_seed(0)
-    whole = build_model(cfg)
+    # The stages chained are the whole model's math in another grouping: float64
+    # agrees at EXACT on any CPU.
+    with float64_default():
+        whole = build_model(cfg)
+        copies = [build_model(cfg) for _ in range(2)]
+        x = torch.randn(4, 3, 32, 32)
     torch.nn.init.normal_(whole.head.head_fc.weight)  # pycls inits it to zeros
-    x = torch.randn(4, 3, 32, 32)
     y = torch.tensor([1, 2, 3, 4])
     torch.nn.functional.cross_entropy(whole(x), y).backward()
-    copies = [build_model(cfg) for _ in range(2)]
     stages = []
     for rank, copy in enumerate(copies):
         copy.load_state_dict(whole.state_dict())
@@ -72,7 +75,7 @@ def test_chained_stages_are_the_whole_model(layout):
     out = x
     for _, stage in stages:
         out = stage(out)
-    torch.testing.assert_close(out, whole(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, whole(x), **EXACT)
     torch.nn.functional.cross_entropy(out, y).backward()
     grads = {}
     for _, stage in stages:
@@ -81,7 +84,7 @@ def test_chained_stages_are_the_whole_model(layout):
             grads[name] = p.grad
     assert grads.keys() == dict(whole.named_parameters()).keys()
     for name, p in whole.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(grads[name], p.grad, **EXACT)
     # A rank's two stages as one module, under the whole model's names.
     union = stage_union([m for i, m in stages if i in (0, 2)])
     names = {n for i, m in stages if i in (0, 2) for n, _ in m.named_parameters()}
