@@ -228,6 +228,37 @@ def order_tolerance(dtype: torch.dtype, terms: int, steps: int = 1) -> float:
     return terms * torch.finfo(dtype).eps * steps
 
 
+def rounding_tolerance(dtype: torch.dtype, roundings: int, lam: float = 5.0) -> float:
+    """A relative tolerance for one value that two computations round differently at
+    `roundings` places on its path (another kernel's or layout's rounding of an
+    activation or product: a relative error <= u = eps / 2 each, passed on to first
+    order unamplified). As independent mean-zero errors they sum to at most
+    lam * sqrt(roundings) * u with probability >= 1 - 2 exp(-lam^2 / 2) (Higham and
+    Mary, SIAM J. Sci. Comput. 41(5), 2019, Thm. 2.4); lam = 5: 7e-6."""
+    return lam * roundings**0.5 * torch.finfo(dtype).eps / 2
+
+
+def vit_roundings(layers: int, split_sums: int = 0) -> int:
+    """Roundings a bf16 ViT forward may place differently under another layout: each
+    block's 6 matmul outputs (q/k/v, scores, attention x v, projection, 2 MLP) may
+    round to the other neighbour (2 u, counted twice), plus the stem's and head's;
+    `split_sums` per block (tensor parallelism's row-parallel outputs: each half
+    rounded, then their sum) add 2 each."""
+    return layers * (2 * 6 + 2 * split_sums) + 2 * 2
+
+
+def amp_loss_tolerance(losses: Sequence[float], roundings: int) -> float:
+    """An absolute bound on two bf16 runs' per-step losses (`losses`: one run's):
+    the forward's `roundings` (rounding_tolerance) relative to the largest loss, plus
+    the updates': each side rounds a weight gradient once (R = eps per step), so to
+    first order the loss curves part by at most R times the distance the loss
+    travels (as test_distributed's BF16_R)."""
+    losses = torch.as_tensor(losses, dtype=torch.float64)
+    forward = rounding_tolerance(torch.bfloat16, roundings) * losses.abs().max()
+    updates = torch.finfo(torch.bfloat16).eps * (losses.max() - losses.min())
+    return float(forward + updates)
+
+
 def held_out_images(root: str) -> int:
     """The images of the image folder `root`'s val split."""
     return sum(len(files) for _, _, files in os.walk(os.path.join(root, "val")))

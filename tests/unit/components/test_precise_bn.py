@@ -5,7 +5,7 @@ import torch
 
 from pycls_fast.components.precise_bn import compute_precise_bn_stats, precise_iters
 from pycls_fast.models import build_model
-from tests.helpers import tiny_cfg
+from tests.helpers import EXACT, float64_default, tiny_cfg
 
 CONV = ["VIT.STEM_TYPE", "conv", "VIT.C_STEM_KERNELS", "[3, 3, 1]",
         "VIT.C_STEM_STRIDES", "[2, 2, 2]",
@@ -13,21 +13,25 @@ CONV = ["VIT.STEM_TYPE", "conv", "VIT.C_STEM_KERNELS", "[3, 3, 1]",
 
 
 def test_running_stats_are_the_average_of_the_batches():
-    model = build_model(tiny_cfg(*CONV)).eval()
+    with float64_default():  # float64: the averages agree with the reference at EXACT
+        model = build_model(tiny_cfg(*CONV)).eval()
     bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
     seen = []
     bn.register_forward_hook(lambda m, args, out: seen.append(args[0].double()))
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randn(4, 3, 32, 32, generator=g) * (i + 1) for i in range(5)]
+    batches = [
+        torch.randn(4, 3, 32, 32, generator=g, dtype=torch.float64) * (i + 1)
+        for i in range(5)
+    ]
     used = compute_precise_bn_stats(model, iter(batches), num_iter=3)
     assert used == 3 and len(seen) == 3  # only num_iter batches
     assert not model.training and bn.momentum == 0.1  # both restored
     mean = torch.stack([x.mean(dim=(0, 2, 3)) for x in seen]).mean(0)
     # BatchNorm's running var is the unbiased batch variance.
     var = torch.stack([x.var(dim=(0, 2, 3), unbiased=True) for x in seen]).mean(0)
-    # fp32 sums of 4 x 16 x 16 terms per channel against float64: a few eps relative.
-    torch.testing.assert_close(bn.running_mean.double(), mean, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(bn.running_var.double(), var, rtol=1e-5, atol=1e-6)
+    assert bn.running_mean.dtype == torch.float64
+    torch.testing.assert_close(bn.running_mean, mean, **EXACT)
+    torch.testing.assert_close(bn.running_var, var, **EXACT)
 
 
 def test_a_model_without_batch_norm_is_left_alone():
