@@ -13,14 +13,18 @@ model (what building imports and sets up once is not the model's), then reports:
   - step: the peak while running `--steps` training steps (forward, backward,
     optimizer step: gradients and optimizer state of its shard appear);
 next to the whole model's fp32 bytes and the bytes this rank holds in parameters,
-gradients and optimizer state (`state_bytes`). The goal: a rank's build peak is
+gradients and optimizer state (`state_bytes`). In brackets next to each peak: the
+bytes of the tensors live at that moment (engine/dry_run.py's `LiveBytes` on the
+real run: storages created since the baseline, the step's over the built state),
+so that resident memory splits into tensors and what the allocator holds beyond
+them (freed blocks the C heap keeps, fragmentation). The goal: a rank's build peak is
 about its shard (whole / nproc; x 2 with the EMA), not the whole model.
 
 Defaults keep two CPU ranks of ViT-g/14 (1.01B parameters, 4.05 GB in fp32) within
 ~13 GB of host memory: SGD without momentum (no optimizer state: AdamW would add two
 shards) and no EMA (`--ema` adds one shard). The host has no swap: check `free -g`
 first. Runs on main's code too (for a before / after): only build_components,
-train_step and synthetic_batch are used.
+train_step, synthetic_batch and LiveBytes are used.
 """
 
 import argparse
@@ -36,6 +40,7 @@ import torch
 
 from pycls_fast.config import load_cfg
 from pycls_fast.engine import timing
+from pycls_fast.engine.dry_run import LiveBytes
 from pycls_fast.engine.trainer import build_components, seed_everything, train_step
 from pycls_fast.launch import processes as launch
 from pycls_fast.launch.cli import run
@@ -83,15 +88,19 @@ def measure(cfg, steps: int = 1) -> list[dict] | None:
     _reset_peak(device)
     base_now, _ = _memory(device)
     start = time.perf_counter()
-    parts = build_components(cfg, loaders=False)
+    build_tensors = LiveBytes()
+    with build_tensors:
+        parts = build_components(cfg, loaders=False)
     build_s = time.perf_counter() - start
     built_now, build_peak = _memory(device)
     _reset_peak(device)
     per_rank = cfg.TRAIN.BATCH_SIZE // parts.layout.dp
     inputs, targets = timing.synthetic_batch(parts, per_rank, cfg.TRAIN.IM_SIZE)
     start = time.perf_counter()
-    for _ in range(steps):
-        loss, _, _ = train_step(parts, inputs, targets)
+    step_tensors = LiveBytes()
+    with step_tensors:
+        for _ in range(steps):
+            loss, _, _ = train_step(parts, inputs, targets)
     loss = float(loss)
     step_s = (time.perf_counter() - start) / steps
     step_now, step_peak = _memory(device)
@@ -108,6 +117,12 @@ def measure(cfg, steps: int = 1) -> list[dict] | None:
         "build_peak_growth": build_peak - base_now,
         "step_peak_growth": step_peak - base_now,
         "built_bytes": built_now - base_now,
+        # The tensors' own bytes (storages), at the peaks and after building: what
+        # the growth of resident memory holds beyond them is the allocator's.
+        "build_tensor_peak": build_tensors.peak,
+        "built_tensor_bytes": build_tensors.live,
+        # Above the built state: the step's new tensors at their peak.
+        "step_tensor_peak": build_tensors.live + step_tensors.peak,
         "whole_fp32_bytes": whole,
         "held": held,
         "ema_bytes": ema,
@@ -123,15 +138,18 @@ def _table(records, args, device_text):
     lines = [
         f"{args.cfg}: whole model {whole / GB:.2f} GB fp32; {args.nproc} ranks, "
         f"FSDP, {device_text}",
-        "rank | baseline GB | build peak +GB (x whole) | step peak +GB (x whole) "
+        "rank | baseline GB | build peak +GB (x whole) [tensors] "
+        "| step peak +GB (x whole) [tensors] "
         "| params GB | grads GB | optimizer GB | EMA GB | build s | step s",
     ]
     for r in records:
         h, build, step = r["held"], r["build_peak_growth"], r["step_peak_growth"]
+        tb, ts = r["build_tensor_peak"], r["step_tensor_peak"]
         lines.append(
             f"{r['rank']} | {r['baseline_bytes'] / GB:.2f} | "
-            f"{build / GB:.2f} ({build / whole:.2f}) | "
-            f"{step / GB:.2f} ({step / whole:.2f}) | "
+            f"{build / GB:.2f} ({build / whole:.2f}) [{tb / GB:.2f} ({tb / whole:.2f})]"
+            f" | {step / GB:.2f} ({step / whole:.2f}) [{ts / GB:.2f} "
+            f"({ts / whole:.2f})] | "
             f"{h['params'] / GB:.2f} | {h['grads'] / GB:.2f} | "
             f"{h['optimizer'] / GB:.2f} | {r['ema_bytes'] / GB:.2f} | "
             f"{r['build_s']:.1f} | {r['step_s']:.1f}"
