@@ -298,7 +298,8 @@ class LiveBytes(TorchDispatchMode):
     """Counts the bytes of the tensors that ops create while it is active, until
     they are freed: `peak` is the most held at once (over what existed before).
     Storages are counted once (views share them); FSDP's storage resizes
-    (`UntypedStorage.resize_`, invisible to dispatch) are followed. The same
+    (`UntypedStorage.resize_`, invisible to dispatch) are followed. Real tensors
+    work too (benchmarks/build_memory.py; meta ones hold nothing). The same
     accounting as torch's `MemTracker`, without its per-module snapshots."""
 
     def __init__(self) -> None:
@@ -307,7 +308,14 @@ class LiveBytes(TorchDispatchMode):
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
 
+    def _holds_memory(self, st: torch.UntypedStorage) -> bool:
+        # Under the dry run's fake mode every storage is a meta one (a fake
+        # tensor's); in a real run a meta storage holds no memory.
+        return self._fake is not None or st.device.type != "meta"
+
     def _add(self, st: torch.UntypedStorage) -> None:
+        if not self._holds_memory(st):
+            return
         key = id(st)
         if key in self._sizes and self._refs[key]() is st:
             return
@@ -325,6 +333,8 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
 
     def _resized(self, st: torch.UntypedStorage, before: int) -> None:
+        if not self._holds_memory(st):
+            return
         key = id(st)
         if key in self._sizes and self._refs[key]() is st:
             n = st.nbytes()

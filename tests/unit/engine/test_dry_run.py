@@ -66,6 +66,23 @@ def test_in_place_updates_of_older_tensors_are_no_new_bytes():
     assert torch.equal(param, torch.full((1000,), 1.8))
 
 
+def test_live_bytes_follows_regrown_storages_and_skips_meta_ones():
+    """FSDP frees a gathered weight with `resize_(0)` at one step and gathers it
+    into the same storage at the next: its bytes count while it is regrown, also
+    when that storage was made before the tracker. A meta tensor (a real run
+    building on the meta device) holds nothing."""
+    weight = torch.zeros(1000)
+    weight.untyped_storage().resize_(0)  # freed at the last step
+    meter = LiveBytes()
+    with meter:
+        weight.untyped_storage().resize_(4000)  # gathered
+        assert meter.live == 4000
+        weight.untyped_storage().resize_(0)  # freed again
+        assert meter.live == 0 and meter.peak == 4000
+        meta = torch.empty(1000, device="meta")  # noqa: F841
+        assert meter.live == 0 and meter.peak == 4000
+
+
 def _step_bytes(model, checkpoint):
     """(bytes live after the forward, peak) of one forward and backward."""
     if checkpoint:
