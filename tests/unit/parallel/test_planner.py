@@ -3,6 +3,7 @@ pipeline stages, activation checkpointing's savings, none when nothing fits, and
 PARALLEL.AUTO's config."""
 
 import pytest
+import torch
 
 from pycls_fast.errors import UserError
 from pycls_fast.parallel.planner import (
@@ -103,3 +104,51 @@ def test_auto_layout_writes_the_plan_into_the_config():
     assert planned.PARALLEL.TP * planned.PARALLEL.PP > 1 or planned.FSDP.ENABLED
     with pytest.raises(UserError, match="PARALLEL.AUTO: no layout of 2 devices"):
         auto_layout(cfg, 1e-6)
+
+
+def test_autograd_runs_a_cached_cast_last_holding_its_half_gradient():
+    """What the planner assumes of a pipeline under O1 (its autocast context spans
+    the step, the casts are cached from the first micro-batch): in a later
+    micro-batch's backward every cast weight's bf16 gradient is alive at once,
+    where a fresh autocast per micro-batch frees each one as it goes."""
+    from pycls_fast.engine.dry_run import LiveBytes
+
+    torch.manual_seed(0)
+    layers, width = 8, 256
+    net = torch.nn.Sequential(
+        *[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]
+    )
+    x = torch.randn(2, width)
+    net(x).sum().backward()  # the fp32 .grad exist: later ones accumulate in place
+    half_grad = width * width * 2  # one weight's bf16 gradient
+
+    def backward_peak():
+        """Bytes the backward adds (the casts were made before it, or cached)."""
+        loss = net(x).float().sum()
+        meter = LiveBytes()
+        with meter:
+            loss.backward()
+        return meter.peak
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fresh = backward_peak()  # casts made by this forward
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        net(x).float().sum().backward()  # the first micro-batch fills the cache
+        cached = backward_peak()  # a later one: the casts are the cache's
+    assert fresh < layers / 2 * half_grad  # a few gradients at a time
+    assert cached >= layers * half_grad  # every gradient at once
+
+
+def test_pipeline_with_autocast_cache_holds_the_casts_half_gradients():
+    """O1 in a pipeline without FSDP (autocast's cache on): the casts, plus their
+    half gradients beyond one micro-batch's activations (freed as they appear);
+    under FSDP the cache is off and nothing piles up."""
+    o1 = ("TRAIN.MIXED_PRECISION", "True", "AMP.MODE", "O1", "AMP.DTYPE", "bf16")
+    cfg = tiny_cfg("TRAIN.BATCH_SIZE", "8", "VIT.NUM_LAYERS", "4", *o1)
+    # Under FSDP without checkpointing every cast is saved for backward: the
+    # stage's casts, and no more.
+    casts = per_rank_memory(cfg, Candidate(pp=2, fsdp=True, micro=4))["autocast"]
+    pp = per_rank_memory(cfg, Candidate(pp=2, checkpoint=True, micro=4))
+    one_micro = pp["activations"] / 2  # 1F1B: 2 micro-batches in flight
+    assert 0 < one_micro < casts
+    assert pp["autocast"] == casts + int(casts - one_micro)
