@@ -74,6 +74,7 @@ TARGETS = (
             f"{COMPONENTS}::test_backend_flags_follow_the_config",
             O2,
             OVERFLOW,
+            PP_OVERFLOW,  # the overflow flag's all-reduce over the ranks
         ),
     ),
     Target(
@@ -554,7 +555,13 @@ def summary(result: ModuleResult) -> dict:
 def markdown(results: list[ModuleResult], args) -> str:
     lines = [
         f"Mutation run: seed {args.seed}, "
-        + ("every mutant" if args.all else f"{args.per_module} mutants per module"),
+        + (
+            "mutants chosen by key"
+            if args.key
+            else "every mutant"
+            if args.all
+            else f"{args.per_module} mutants per module"
+        ),
         "",
         "| Module | Mutants run (of) | Killed | Timeout | Survived | Judged "
         "equivalent | Survival (non-equivalent) |",
@@ -586,7 +593,9 @@ def select(args) -> list[ModuleResult]:
         with open(os.path.join(ROOT, t.path)) as f:
             mutants = enumerate_mutants(t, f.read())
         chosen = mutants
-        if not args.all and len(mutants) > args.per_module:
+        if args.key:
+            chosen = [m for m in mutants if m.key in args.key]
+        elif not args.all and len(mutants) > args.per_module:
             rng = random.Random(f"{args.seed}:{t.path}")
             chosen = sorted(rng.sample(mutants, args.per_module), key=lambda m: m.site)
         results.append(ModuleResult(t.name, t.path, len(mutants), list(t.tests),
@@ -601,6 +610,11 @@ def main():
     parser.add_argument("--all", action="store_true", help="every mutant, no sample")
     parser.add_argument("--seed", type=int, default=0, help="the sample's seed")
     parser.add_argument("--module", help="one target (its name or path)")
+    parser.add_argument(
+        "--key", action="append", default=[],
+        help="run only the mutant with this key (as --list prints it; repeatable), "
+        "e.g. a survivor of an earlier run",
+    )  # fmt: skip
     parser.add_argument(
         "--list", action="store_true", help="print the chosen mutants; run nothing"
     )
@@ -628,6 +642,7 @@ def main():
             meta = json.load(f)
         args.seed, args.per_module = meta["seed"], meta["per_module"]
         args.all = args.per_module is None
+        args.key = meta.get("keys", [])
         results = _load_results(meta)
         if args.rerun_survivors:
             work = _copy_repository()
@@ -639,6 +654,10 @@ def main():
         _write(results, args)
         return 0
     results = select(args)
+    unknown = set(args.key) - {m.key for r in results for m in r.mutants}
+    if unknown:
+        parser.error("--key: no such mutant: " + "; ".join(sorted(unknown)))
+    results = [r for r in results if r.mutants or not args.key]
     if not results:
         parser.error(f"--module {args.module}: no such target; one of "
                      + ", ".join(t.name for t in TARGETS))  # fmt: skip
@@ -683,6 +702,7 @@ def _write(results: list[ModuleResult], args) -> None:
     data = {
         "seed": args.seed,
         "per_module": None if args.all else args.per_module,
+        "keys": args.key,
         "modules": [
             {**summary(r), "tests": r.tests,
              "mutant_list": [asdict(m) for m in r.mutants]}

@@ -2,6 +2,7 @@
 what TEST.WEIGHTS / TRAIN.WEIGHTS naming a run folder resolve to, and what a sharded
 checkpoint consolidated into one file holds."""
 
+import fractions
 import os
 
 import pytest
@@ -69,3 +70,26 @@ def test_a_consolidated_sharded_checkpoint_holds_its_weights_and_meta(tmp_path):
         assert torch.equal(state["model_state"][key], value), key
     for key, value in ema.state_dict().items():
         assert torch.equal(state["ema_state"][key], value), key
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_checkpoint_holding_code_is_refused_naming_what_it_holds(tmp_path, mmap):
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    good, bad, garbage = (str(tmp_path / n) for n in ("good", "bad", "garbage"))
+    torch.save({"model_state": weights, "epoch": 3}, good)
+    loaded = files.load_checkpoint(good, mmap=mmap)
+    assert loaded["epoch"] == 3 and torch.equal(
+        loaded["model_state"]["w"], weights["w"]
+    )
+    # A pickled object of any class but tensors and plain values would run code.
+    torch.save({"model_state": weights, "ratio": fractions.Fraction(1, 3)}, bad)
+    with pytest.raises(CheckpointError) as e:
+        files.load_checkpoint(bad, mmap=mmap)
+    assert str(e.value).startswith(
+        f"cannot read checkpoint {bad}: it holds objects that loading would run code "
+        "for (fractions.Fraction);"
+    )
+    with open(garbage, "wb") as f:
+        f.write(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=f"^cannot read checkpoint {garbage}: "):
+        files.load_checkpoint(garbage, mmap=mmap)
