@@ -93,3 +93,18 @@ def test_a_checkpoint_holding_code_is_refused_naming_what_it_holds(tmp_path, mma
         f.write(b"not a checkpoint")
     with pytest.raises(CheckpointError, match=f"^cannot read checkpoint {garbage}: "):
         files.load_checkpoint(garbage, mmap=mmap)
+
+
+def test_a_sharded_save_clears_the_leftover_of_a_crashed_write(tmp_path):
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    meta = {"epoch": 1, "iter": 0, "cfg": ""}
+    clean, path = str(tmp_path / "clean.dcp"), str(tmp_path / "model_epoch_0001.dcp")
+    sharded.save(clean, model, optimizer, None, meta, {})
+    # A write that crashed left its .tmp folder with a shard of another world size.
+    _touch(path + ".tmp", "__7_0.distcp")
+    sharded.save(path, model, optimizer, None, meta, {})
+    assert sorted(os.listdir(path)) == sorted(os.listdir(clean))
+    assert not os.path.exists(path + ".tmp")
