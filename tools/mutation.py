@@ -90,6 +90,7 @@ TARGETS = (
             f"{COMPONENTS}::test_frozen_parameters_join_no_group_and_stay_as_they_are",
             f"{COMPONENTS}::test_mta_on_fsdp_shards_steps_as_the_loop",
             f"{UNIT}/components/test_layer_decay.py",
+            f"{COMPONENTS}::test_timm_optimizers_keep_our_parameter_groups_and_train",
         ),
     ),
     Target(
