@@ -82,6 +82,8 @@ TARGETS = (
         "pycls_fast/components/optimizer.py",
         (
             f"{COMPONENTS}::test_lr_policies_and_warmup",
+            f"{COMPONENTS}::"
+            "test_a_warmup_as_long_as_the_run_is_warned_with_the_lr_it_reaches",
             f"{COMPONENTS}::test_weight_decay_groups_follow_pycls",
             f"{COMPONENTS}::test_fused_or_foreach_is_chosen_at_construction",
             f"{COMPONENTS}::"
