@@ -128,7 +128,12 @@ TARGETS = (
     Target(
         "checkpoint sharded",
         "pycls_fast/checkpoint/sharded.py",
-        (FILES, f"{RESUME}[fsdp]"),
+        (
+            FILES,
+            f"{UNIT}/parallel/test_materialize.py::"
+            "test_sharded_checkpoint_weights_are_read_one_tensor_at_a_time",
+            f"{RESUME}[fsdp]",
+        ),
     ),
     Target(
         "data parallel",
