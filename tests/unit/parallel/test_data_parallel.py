@@ -83,3 +83,31 @@ def test_o2_under_fsdp_keeps_the_norms_in_fp32_and_the_rest_in_half():
         assert forward_dtypes(AmpMode.FP32, True) == (fp32, fp32, {False})
     finally:
         dist.destroy_process_group()
+
+
+def test_o2_under_ddp_averages_half_gradients_through_the_fp32_hook():
+    """DDP under O2 reduces the half-precision gradients through the fp32 comm hook:
+    in one process the average is the gradient itself, exactly (bf16 -> fp32 ->
+    bf16 is exact), and it lands in the half-precision .grad."""
+    import copy
+
+    import torch.distributed as dist
+
+    from pycls_fast.launch.processes import init_single_process_group
+    from pycls_fast.parallel.data_parallel import wrap_ddp
+
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    model = build_model(cfg).to(torch.bfloat16)
+    alone = copy.deepcopy(model)
+    x = torch.randn(2, 3, cfg.TRAIN.IM_SIZE, cfg.TRAIN.IM_SIZE, dtype=torch.bfloat16)
+    alone(x).float().square().mean().backward()
+    init_single_process_group(cfg)
+    try:
+        ddp = wrap_ddp(model, AmpMode.O2, torch.device("cpu"))
+        ddp(x).float().square().mean().backward()
+    finally:
+        dist.destroy_process_group()
+    for (name, p), q in zip(model.named_parameters(), alone.parameters(), strict=True):
+        assert p.grad.dtype == torch.bfloat16, name
+        assert torch.equal(p.grad, q.grad), name
