@@ -180,6 +180,13 @@ EQUIVALENT: dict[str, str] = {
         "the sum of the reduced gradients is the reduced sum (more communication, "
         "the same step up to rounding)"
     ),
+    "pycls_fast/engine/trainer.py:_gradient_sync:drop0:"
+    "model.set_requires_gradient_sync(enabled)": (
+        "FSDP2 then reduces the gradients after every micro-batch instead of the "
+        "last only: the sum of the reduced gradients is the reduced sum (more "
+        "communication, the same step up to rounding), as for the negated "
+        "condition in forward_backward"
+    ),
     "pycls_fast/engine/trainer.py:train_step:constant0:True": (
         "zero_grad(set_to_none=False) zeroes the grads in place of dropping them: "
         "every trained parameter gets a new gradient in every step, so the "
