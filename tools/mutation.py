@@ -150,6 +150,7 @@ TARGETS = (
             O2,
             f"{UNIT}/engine/test_distill.py::test_a_step_with_a_teacher_trains_both_heads",
             f"{GRAD_ACCUM}::test_micro_batches_give_the_whole_batch_step[ce-True]",
+            f"{GRAD_ACCUM}::test_micro_batches_under_fsdp_give_the_whole_batch_step",
             PP_OVERFLOW,
         ),
         only=("train_step", "forward_backward", "mean_logits", "_gradient_sync"),
