@@ -181,6 +181,12 @@ EQUIVALENT: dict[str, str] = {
         "the sum of the reduced gradients is the reduced sum (more communication, "
         "the same step up to rounding)"
     ),
+    "pycls_fast/engine/trainer.py:forward_backward:drop0:"
+    "_gradient_sync(parts.trained, last)": (
+        "the reduction then stays on for every micro-batch: the sum of the reduced "
+        "gradients is the reduced sum (more communication, the same step up to "
+        "rounding), as for the negated condition above it"
+    ),
     "pycls_fast/engine/trainer.py:_gradient_sync:drop0:"
     "model.set_requires_gradient_sync(enabled)": (
         "FSDP2 then reduces the gradients after every micro-batch instead of the "
