@@ -108,3 +108,20 @@ def test_a_sharded_save_clears_the_leftover_of_a_crashed_write(tmp_path):
     sharded.save(path, model, optimizer, None, meta, {})
     assert sorted(os.listdir(path)) == sorted(os.listdir(clean))
     assert not os.path.exists(path + ".tmp")
+
+
+def test_removing_partial_writes_never_fails_over_one_it_cannot_remove(tmp_path):
+    folder = files.checkpoint_dir(str(tmp_path))
+    _touch(folder, "model_epoch_0001.pyth", "model_epoch_0002.pyth.tmp.123")
+    _touch(os.path.join(folder, "model_epoch_0003.dcp.tmp"), "__0_0.distcp")
+    _touch(os.path.join(folder, "model_epoch_0001.dcp.old"), ".metadata")
+    # One rmtree refuses (a symbolic link), as one would that another node on a
+    # shared folder removes at the same time: the rest still goes.
+    os.makedirs(tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", os.path.join(folder, "link.tmp"))
+    removed = files.remove_partial(str(tmp_path))
+    assert sorted(os.path.basename(p) for p in removed) == [
+        "link.tmp", "model_epoch_0001.dcp.old", "model_epoch_0002.pyth.tmp.123",
+        "model_epoch_0003.dcp.tmp",
+    ]  # fmt: skip
+    assert sorted(os.listdir(folder)) == ["link.tmp", "model_epoch_0001.pyth"]
