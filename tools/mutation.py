@@ -199,11 +199,6 @@ EQUIVALENT: dict[str, str] = {
         "every trained parameter gets a new gradient in every step, so the "
         "optimizer sees the same values (only memory differs)"
     ),
-    "pycls_fast/checkpoint/files.py:safe_load:unary0:-1": (
-        "line.split('GLOBAL', 1)[1] for [-1]: torch's weights_only message puts "
-        "'GLOBAL <name>' on its 'Unsupported global' line, so the split has two "
-        "parts and both indices name the second"
-    ),
     "pycls_fast/checkpoint/files.py:safe_load:drop0:break": (
         "without the break the loop keeps the last 'Unsupported global' line, not "
         "the first: torch's message has one such line (it stops at the first "
