@@ -74,6 +74,7 @@ TARGETS = (
             f"{COMPONENTS}::test_backend_flags_follow_the_config",
             O2,
             OVERFLOW,
+            PP_OVERFLOW,  # the overflow flag's all-reduce over the ranks
         ),
     ),
     Target(
@@ -81,6 +82,8 @@ TARGETS = (
         "pycls_fast/components/optimizer.py",
         (
             f"{COMPONENTS}::test_lr_policies_and_warmup",
+            f"{COMPONENTS}::"
+            "test_a_warmup_as_long_as_the_run_is_warned_with_the_lr_it_reaches",
             f"{COMPONENTS}::test_weight_decay_groups_follow_pycls",
             f"{COMPONENTS}::test_fused_or_foreach_is_chosen_at_construction",
             f"{COMPONENTS}::"
@@ -89,6 +92,7 @@ TARGETS = (
             f"{COMPONENTS}::test_frozen_parameters_join_no_group_and_stay_as_they_are",
             f"{COMPONENTS}::test_mta_on_fsdp_shards_steps_as_the_loop",
             f"{UNIT}/components/test_layer_decay.py",
+            f"{COMPONENTS}::test_timm_optimizers_keep_our_parameter_groups_and_train",
         ),
     ),
     Target(
@@ -124,7 +128,12 @@ TARGETS = (
     Target(
         "checkpoint sharded",
         "pycls_fast/checkpoint/sharded.py",
-        (FILES, f"{RESUME}[fsdp]"),
+        (
+            FILES,
+            f"{UNIT}/parallel/test_materialize.py::"
+            "test_sharded_checkpoint_weights_are_read_one_tensor_at_a_time",
+            f"{RESUME}[fsdp]",
+        ),
     ),
     Target(
         "data parallel",
@@ -141,6 +150,7 @@ TARGETS = (
             O2,
             f"{UNIT}/engine/test_distill.py::test_a_step_with_a_teacher_trains_both_heads",
             f"{GRAD_ACCUM}::test_micro_batches_give_the_whole_batch_step[ce-True]",
+            f"{GRAD_ACCUM}::test_micro_batches_under_fsdp_give_the_whole_batch_step",
             PP_OVERFLOW,
         ),
         only=("train_step", "forward_backward", "mean_logits", "_gradient_sync"),
@@ -171,10 +181,28 @@ EQUIVALENT: dict[str, str] = {
         "the sum of the reduced gradients is the reduced sum (more communication, "
         "the same step up to rounding)"
     ),
+    "pycls_fast/engine/trainer.py:forward_backward:drop0:"
+    "_gradient_sync(parts.trained, last)": (
+        "the reduction then stays on for every micro-batch: the sum of the reduced "
+        "gradients is the reduced sum (more communication, the same step up to "
+        "rounding), as for the negated condition above it"
+    ),
+    "pycls_fast/engine/trainer.py:_gradient_sync:drop0:"
+    "model.set_requires_gradient_sync(enabled)": (
+        "FSDP2 then reduces the gradients after every micro-batch instead of the "
+        "last only: the sum of the reduced gradients is the reduced sum (more "
+        "communication, the same step up to rounding), as for the negated "
+        "condition in forward_backward"
+    ),
     "pycls_fast/engine/trainer.py:train_step:constant0:True": (
         "zero_grad(set_to_none=False) zeroes the grads in place of dropping them: "
         "every trained parameter gets a new gradient in every step, so the "
         "optimizer sees the same values (only memory differs)"
+    ),
+    "pycls_fast/checkpoint/files.py:safe_load:drop0:break": (
+        "without the break the loop keeps the last 'Unsupported global' line, not "
+        "the first: torch's message has one such line (it stops at the first "
+        "global it refuses)"
     ),
     "pycls_fast/checkpoint/sharded.py:load:negate0:if 'ema' in whole:": (
         "dcp.load fills the EMA's own parameter tensors in place "
@@ -554,7 +582,13 @@ def summary(result: ModuleResult) -> dict:
 def markdown(results: list[ModuleResult], args) -> str:
     lines = [
         f"Mutation run: seed {args.seed}, "
-        + ("every mutant" if args.all else f"{args.per_module} mutants per module"),
+        + (
+            "mutants chosen by key"
+            if args.key
+            else "every mutant"
+            if args.all
+            else f"{args.per_module} mutants per module"
+        ),
         "",
         "| Module | Mutants run (of) | Killed | Timeout | Survived | Judged "
         "equivalent | Survival (non-equivalent) |",
@@ -586,7 +620,9 @@ def select(args) -> list[ModuleResult]:
         with open(os.path.join(ROOT, t.path)) as f:
             mutants = enumerate_mutants(t, f.read())
         chosen = mutants
-        if not args.all and len(mutants) > args.per_module:
+        if args.key:
+            chosen = [m for m in mutants if m.key in args.key]
+        elif not args.all and len(mutants) > args.per_module:
             rng = random.Random(f"{args.seed}:{t.path}")
             chosen = sorted(rng.sample(mutants, args.per_module), key=lambda m: m.site)
         results.append(ModuleResult(t.name, t.path, len(mutants), list(t.tests),
@@ -601,6 +637,11 @@ def main():
     parser.add_argument("--all", action="store_true", help="every mutant, no sample")
     parser.add_argument("--seed", type=int, default=0, help="the sample's seed")
     parser.add_argument("--module", help="one target (its name or path)")
+    parser.add_argument(
+        "--key", action="append", default=[],
+        help="run only the mutant with this key (as --list prints it; repeatable), "
+        "e.g. a survivor of an earlier run",
+    )  # fmt: skip
     parser.add_argument(
         "--list", action="store_true", help="print the chosen mutants; run nothing"
     )
@@ -628,6 +669,7 @@ def main():
             meta = json.load(f)
         args.seed, args.per_module = meta["seed"], meta["per_module"]
         args.all = args.per_module is None
+        args.key = meta.get("keys", [])
         results = _load_results(meta)
         if args.rerun_survivors:
             work = _copy_repository()
@@ -639,6 +681,10 @@ def main():
         _write(results, args)
         return 0
     results = select(args)
+    unknown = set(args.key) - {m.key for r in results for m in r.mutants}
+    if unknown:
+        parser.error("--key: no such mutant: " + "; ".join(sorted(unknown)))
+    results = [r for r in results if r.mutants or not args.key]
     if not results:
         parser.error(f"--module {args.module}: no such target; one of "
                      + ", ".join(t.name for t in TARGETS))  # fmt: skip
@@ -683,6 +729,7 @@ def _write(results: list[ModuleResult], args) -> None:
     data = {
         "seed": args.seed,
         "per_module": None if args.all else args.per_module,
+        "keys": args.key,
         "modules": [
             {**summary(r), "tests": r.tests,
              "mutant_list": [asdict(m) for m in r.mutants]}

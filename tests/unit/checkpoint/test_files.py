@@ -2,6 +2,7 @@
 what TEST.WEIGHTS / TRAIN.WEIGHTS naming a run folder resolve to, and what a sharded
 checkpoint consolidated into one file holds."""
 
+import fractions
 import os
 
 import pytest
@@ -69,3 +70,58 @@ def test_a_consolidated_sharded_checkpoint_holds_its_weights_and_meta(tmp_path):
         assert torch.equal(state["model_state"][key], value), key
     for key, value in ema.state_dict().items():
         assert torch.equal(state["ema_state"][key], value), key
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_checkpoint_holding_code_is_refused_naming_what_it_holds(tmp_path, mmap):
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    good, bad, garbage = (str(tmp_path / n) for n in ("good", "bad", "garbage"))
+    torch.save({"model_state": weights, "epoch": 3}, good)
+    loaded = files.load_checkpoint(good, mmap=mmap)
+    assert loaded["epoch"] == 3 and torch.equal(
+        loaded["model_state"]["w"], weights["w"]
+    )
+    # A pickled object of any class but tensors and plain values would run code.
+    torch.save({"model_state": weights, "ratio": fractions.Fraction(1, 3)}, bad)
+    with pytest.raises(CheckpointError) as e:
+        files.load_checkpoint(bad, mmap=mmap)
+    assert str(e.value).startswith(
+        f"cannot read checkpoint {bad}: it holds objects that loading would run code "
+        "for (fractions.Fraction);"
+    )
+    with open(garbage, "wb") as f:
+        f.write(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=f"^cannot read checkpoint {garbage}: "):
+        files.load_checkpoint(garbage, mmap=mmap)
+
+
+def test_a_sharded_save_clears_the_leftover_of_a_crashed_write(tmp_path):
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    meta = {"epoch": 1, "iter": 0, "cfg": ""}
+    clean, path = str(tmp_path / "clean.dcp"), str(tmp_path / "model_epoch_0001.dcp")
+    sharded.save(clean, model, optimizer, None, meta, {})
+    # A write that crashed left its .tmp folder with a shard of another world size.
+    _touch(path + ".tmp", "__7_0.distcp")
+    sharded.save(path, model, optimizer, None, meta, {})
+    assert sorted(os.listdir(path)) == sorted(os.listdir(clean))
+    assert not os.path.exists(path + ".tmp")
+
+
+def test_removing_partial_writes_never_fails_over_one_it_cannot_remove(tmp_path):
+    folder = files.checkpoint_dir(str(tmp_path))
+    _touch(folder, "model_epoch_0001.pyth", "model_epoch_0002.pyth.tmp.123")
+    _touch(os.path.join(folder, "model_epoch_0003.dcp.tmp"), "__0_0.distcp")
+    _touch(os.path.join(folder, "model_epoch_0001.dcp.old"), ".metadata")
+    # One rmtree refuses (a symbolic link), as one would that another node on a
+    # shared folder removes at the same time: the rest still goes.
+    os.makedirs(tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", os.path.join(folder, "link.tmp"))
+    removed = files.remove_partial(str(tmp_path))
+    assert sorted(os.path.basename(p) for p in removed) == [
+        "link.tmp", "model_epoch_0001.dcp.old", "model_epoch_0002.pyth.tmp.123",
+        "model_epoch_0003.dcp.tmp",
+    ]  # fmt: skip
+    assert sorted(os.listdir(folder)) == ["link.tmp", "model_epoch_0001.pyth"]

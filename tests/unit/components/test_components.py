@@ -10,6 +10,7 @@ from pycls_fast.components.optimizer import (
     construct_optimizer,
     lr_at,
     param_groups,
+    schedule_warnings,
 )
 from pycls_fast.components.precision import AmpMode, describe_precision, resolve_amp
 from pycls_fast.config import get_cfg
@@ -371,6 +372,21 @@ def test_lr_policies_and_warmup():
     assert lr_at(cos, 0.5) < lr_at(cos, 0.0)
     per_epoch = tiny_cfg(*base, "OPTIM.LR_PER_ITER", "False")
     assert lr_at(per_epoch, 0.5) == lr_at(per_epoch, 0.0)
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_with_the_lr_it_reaches():
+    # A constant lr (steps from epoch 0) warmed up from 0.2 over 4 epochs:
+    # lr = 0.2 + 0.8 * epoch / 4. The peak is taken at 100 points of the run, the
+    # last at epoch 2 * 99 / 100 = 1.98: 0.2 + 0.2 * 1.98 = 0.596.
+    base = ["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[0]", "OPTIM.BASE_LR", "1.0",
+            "OPTIM.WARMUP_FACTOR", "0.2", "OPTIM.WARMUP_EPOCHS", "4"]  # fmt: skip
+    (warning,) = schedule_warnings(tiny_cfg(*base, "OPTIM.MAX_EPOCH", "2"))
+    assert warning == (
+        "OPTIM.WARMUP_EPOCHS (4) >= OPTIM.MAX_EPOCH (2): the run ends before the "
+        "warmup does; the lr peaks at 0.596, never reaching OPTIM.BASE_LR 1"
+    )
+    assert len(schedule_warnings(tiny_cfg(*base, "OPTIM.MAX_EPOCH", "4"))) == 1
+    assert schedule_warnings(tiny_cfg(*base, "OPTIM.MAX_EPOCH", "5")) == []
 
 
 def test_ema_follows_pycls_rule():

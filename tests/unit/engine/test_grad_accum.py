@@ -57,6 +57,27 @@ def test_micro_batches_give_the_whole_batch_step(soft, loss):
             torch.testing.assert_close(value, whole_state[key], **EXACT)
 
 
+def test_micro_batches_under_fsdp_give_the_whole_batch_step():
+    """FSDP2 in one process: the gradient reduction is off for all micro-batches
+    but the last, which reduces their sum; the step is the whole batch's."""
+    import torch.distributed as dist
+
+    from pycls_fast.launch.processes import init_single_process_group
+
+    init_single_process_group(tiny_cfg())
+    try:
+        whole = _steps("FSDP.ENABLED", "True")
+        micro = _steps("FSDP.ENABLED", "True", "TRAIN.ACCUM_STEPS", "2")
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(micro[0], whole[0], **EXACT)
+    for key, value in micro[2].items():
+        assert value.dtype == torch.float64
+        torch.testing.assert_close(
+            value.full_tensor(), whole[2][key].full_tensor(), **EXACT
+        )
+
+
 def test_micro_batches_under_fp16_loss_scaling_match():
     # fp16 matmuls sum the batch's gradients in another order: the micro-batches
     # round elsewhere, but no more than fp16 itself does. Both runs against the exact
