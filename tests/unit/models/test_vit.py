@@ -253,3 +253,54 @@ def test_large_configs_have_the_papers_parameter_counts(name, paper, printed):
     if paper is not None:  # ... and the paper's figure, to the digit it prints
         head = cfg.VIT.HIDDEN_DIM * 1000 + 1000  # the papers count the backbone
         assert abs(vit_param_count(cfg) - head - paper) <= printed / 2
+
+
+def _pycls_module_init(model):
+    """pycls's module-by-module ViT init (as this project had it before the init was
+    drawn per tensor name), applied in place: the reference for `init_tensor`."""
+    torch.manual_seed(0)
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.LayerNorm)):
+            m.reset_parameters()  # torch's defaults: what pycls leaves untouched
+        if isinstance(m, torch.nn.Conv2d) and "patchify" in name:
+            fan_in = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
+            torch.nn.init.trunc_normal_(m.weight, std=(1.0 / fan_in) ** 0.5)
+            torch.nn.init.zeros_(m.bias)
+        elif isinstance(m, torch.nn.Linear):
+            if name.endswith("attn_proj"):
+                torch.nn.init.xavier_uniform_(m.weight)
+                torch.nn.init.zeros_(m.bias)
+            elif name.endswith("out_proj"):
+                torch.nn.init.zeros_(m.bias)
+            elif "mlp_block" in name:
+                torch.nn.init.xavier_uniform_(m.weight)
+                torch.nn.init.normal_(m.bias, std=1e-6)
+            elif name.endswith("head_fc"):
+                torch.nn.init.zeros_(m.weight)
+                torch.nn.init.zeros_(m.bias)
+    torch.nn.init.normal_(model.pos_embedding, std=0.02)
+
+
+@pytest.mark.parametrize("cls", ["token", "pooled"])
+def test_name_seeded_init_has_pycls_module_init_statistics(cls):
+    """Every tensor of the demo's patchify ViT (configs/examples/vit_digits.yaml) is
+    drawn from the distribution of pycls's module-by-module init: the same constants,
+    and the same mean and standard deviation up to sampling error."""
+    path = os.path.join(ROOT, "configs/examples/vit_digits.yaml")
+    cfg = load_cfg(path, ["VIT.CLASSIFIER_TYPE", cls])
+    model = build_model(cfg)
+    reference = build_model(cfg)
+    with torch.no_grad():
+        _pycls_module_init(reference)
+    drawn = dict(model.named_parameters())
+    for name, ref in reference.named_parameters():
+        t = drawn[name].detach()
+        if ref.numel() == 1 or ref.std() == 0:
+            assert torch.equal(t, ref), name
+            continue
+        # Two independent estimates of a std from n draws (kurtosis <= 3 here, normal
+        # or uniform) differ by about std / sqrt(n) (1/sqrt(2n) each); means by
+        # std * sqrt(2 / n). Five such standard errors.
+        n, std = ref.numel(), ref.std().item()
+        assert t.std().item() == pytest.approx(std, rel=sampling_band(n, 1.0)), name
+        assert abs(t.mean() - ref.mean()).item() <= sampling_band(n, std * 2**0.5)
