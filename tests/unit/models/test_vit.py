@@ -279,6 +279,8 @@ def _pycls_module_init(model):
                 torch.nn.init.zeros_(m.weight)
                 torch.nn.init.zeros_(m.bias)
     torch.nn.init.normal_(model.pos_embedding, std=0.02)
+    if model.class_token is not None:
+        torch.nn.init.zeros_(model.class_token)
 
 
 @pytest.mark.parametrize("cls", ["token", "pooled"])
