@@ -432,7 +432,8 @@ def format_plan(
     name: str, num_gpus: int, gpu_gib: float, best, rows, show: int = 8
 ) -> str:
     """The plan as a text table (GiB per rank): the chosen layout and the `show`
-    fastest others that fit, then the simplest that do not (0: all rows)."""
+    fastest others that fit, then the fastest that do not, at least 2 (0: all
+    rows)."""
     lines = [
         f"{name} on {num_gpus} x {gpu_gib:.3g} GiB GPUs, GiB per rank "
         "(params / grads / optimizer / master / ema / gathered / autocast / activations"
@@ -442,7 +443,7 @@ def format_plan(
     ranked = sorted(rows, key=lambda r: (not r.fits, -r.speed, r.memory["total"]))
     if show:
         fits = [r for r in ranked if r.fits][:show]
-        misses = [r for r in ranked if not r.fits][: max(0, show - len(fits)) or 2]
+        misses = [r for r in ranked if not r.fits][: max(2, show - len(fits))]
         ranked = fits + misses
     for r in ranked:
         parts = " / ".join(f"{r.memory[k] / GIB:.1f}" for k in _PARTS)
