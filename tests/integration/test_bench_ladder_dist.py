@@ -3,12 +3,14 @@ benchmarks/ladder_plots.py on the two records: structure and values of the repor
 never timings."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 from benchmarks.ladder_dist import RUNGS, rung_configs
-from tests.helpers import ROOT, run_benchmark
+from pycls_fast.config import load_cfg
+from tests.helpers import ROOT, amp_loss_tolerance, run_benchmark
 
 EXAMPLE = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
 SMALL = ["VIT.NUM_LAYERS", "1", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64"]
@@ -61,8 +63,16 @@ def test_distributed_ladder_records_and_figures(tmp_path):
     assert all(
         r["tflops_per_device"] > 0 and r["vs_baseline"] > 0 for r in rows.values()
     )
-    # DDP and FSDP at the same precision: the same loss after one update.
-    assert abs(rows["amp"]["second_loss"] - rows["fsdp"]["second_loss"]) < 1e-4
+    # DDP and FSDP at the same precision: the same loss after one update. The
+    # zero-initialized head makes the first loss log(classes) and the first update
+    # the head's only: the trunk's forward is the same; the head's updates may part
+    # by one bf16 rounding of each weight (eps relative), so the second losses part
+    # by at most eps times the distance the loss travelled (amp_loss_tolerance with
+    # no forward rounding placed apart).
+    first = math.log(load_cfg(EXAMPLE, SMALL).MODEL.NUM_CLASSES)
+    ddp, fsdp = rows["amp"]["second_loss"], rows["fsdp"]["second_loss"]
+    assert ddp < first and fsdp < first
+    assert abs(ddp - fsdp) <= amp_loss_tolerance([first, ddp, fsdp], roundings=0)
     assert rows["im256"]["im_size"] == 48
     assert record["optimized"] == "amp_o2"
     assert record["epoch_hours_optimized"] == rows["amp_o2"]["epoch_hours"]
