@@ -153,6 +153,9 @@ def assert_help_lists(path: str, result: subprocess.CompletedProcess) -> None:
 # tiny model, amplified over a few steps) stays far below it, and a defect (a wrong
 # shard, a missing reduction) moves weights by 1e-3 or more.
 EXACT = {"rtol": torch.finfo(torch.float64).eps ** 0.5, "atol": 1e-12}
+# json_stats keeps 6 significant digits: a logged figure is within half a unit of
+# the 6th digit of the value, 5e-6 of it relatively.
+JSON_REL = 0.5e-5
 
 
 @contextlib.contextmanager
@@ -267,7 +270,7 @@ def held_out_images(root: str) -> int:
 def one_image_pct(root: str) -> float:
     """One val image of the folder `root` as a top-1 error (%), plus json_stats'
     rounding (6 significant digits) of the two errors compared."""
-    return 100.0 / held_out_images(root) + 2 * 5e-6 * 100.0
+    return 100.0 / held_out_images(root) + 2 * JSON_REL * 100.0
 
 
 def sampling_band(n: int, std: float, sigmas: float = 5.0) -> float:

@@ -3,7 +3,9 @@ figures' structure and the counts that do not depend on timing."""
 
 import json
 
-from tests.helpers import run_benchmark
+import pytest
+
+from tests.helpers import EXACT, run_benchmark
 
 
 def test_shards_benchmark_counts_calls(tmp_path):
@@ -37,4 +39,6 @@ def test_loader_scaling_benchmark(tmp_path):
     assert figures["released_ms"] > 0
     assert {row["model"] for row in figures["gpu_demand"]} == {"ViT-B-16", "ViT-H-16"}
     # Projected images/s with one thread is 1 / CPU time per image.
-    assert abs(figures["checks"]["1"]["projected"] - 1e3 / figures["cpu_ms"]) < 1e-6
+    assert figures["checks"]["1"]["projected"] == pytest.approx(
+        1e3 / figures["cpu_ms"], rel=EXACT["rtol"]
+    )

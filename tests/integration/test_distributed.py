@@ -20,6 +20,7 @@ from pycls_fast.runtime import distributed
 from tests.helpers import (
     DIGITS_CFG,
     EXACT,
+    JSON_REL,
     ROOT,
     TINY,
     digits_opts,
@@ -85,7 +86,7 @@ def _tolerance(records, r):
     """The bound above for one run's `records` (its train_iter losses' travel), plus
     json_stats' 6 significant digits (5e-6 relative) on both figures compared."""
     losses = _losses(records)
-    return r * (max(losses) - min(losses)) + 2 * 5e-6 * max(losses)
+    return r * (max(losses) - min(losses)) + 2 * JSON_REL * max(losses)
 
 
 @pytest.mark.parametrize(

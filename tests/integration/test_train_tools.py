@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.helpers import DIGITS_CFG, ROOT, run_tool
+from tests.helpers import DIGITS_CFG, EXACT, ROOT, run_tool
 
 TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
 
@@ -100,7 +100,7 @@ def test_time_net_infer_csv(tmp_path):
     ]  # fmt: skip
     ours, timm = rows[2], rows[3]
     ratio = float(ours["infer_samples_per_sec"]) / float(timm["infer_samples_per_sec"])
-    assert float(ours["ratio_to_timm"]) == pytest.approx(ratio, rel=1e-6)
+    assert float(ours["ratio_to_timm"]) == pytest.approx(ratio, rel=EXACT["rtol"])
     assert ours["amp"].startswith("fp32") and ours["compile"] == "off"
     assert "| 4 | pycls_fast |" in result.stdout
     bad = run_tool("time_net.py", "--cfg", TINY_CFG, "--infer", "--batch-sizes", "x")

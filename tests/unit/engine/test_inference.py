@@ -14,7 +14,7 @@ from pycls_fast.engine.inference import (
     measure_inference,
 )
 from pycls_fast.errors import UserError
-from tests.helpers import tiny_cfg
+from tests.helpers import EXACT, tiny_cfg
 
 
 def test_backs_off_in_timm_steps_until_the_batch_fits():
@@ -50,7 +50,7 @@ def test_rows_of_ours_and_timm():
         assert set(ours) == set(CSV_FIELDS)
         assert ours["infer_samples_per_sec"] > 0 and timm["ratio_to_timm"] == 1.0
         expected = ours["infer_samples_per_sec"] / timm["infer_samples_per_sec"]
-        assert ours["ratio_to_timm"] == pytest.approx(expected, rel=1e-9)
+        assert ours["ratio_to_timm"] == pytest.approx(expected, rel=EXACT["rtol"])
         speed = ours["infer_batch_size"] / (ours["infer_step_time"] / 1e3)
-        assert ours["infer_samples_per_sec"] == pytest.approx(speed, rel=1e-9)
+        assert ours["infer_samples_per_sec"] == pytest.approx(speed, rel=EXACT["rtol"])
     assert "| 3 | pycls_fast |" in format_rows(rows)

@@ -134,8 +134,10 @@ def test_resume_mid_epoch_ends_with_identical_weights(digits, tmp_path, mode):
          if r["_type"] == "train_epoch" and r["epoch"] == "2/3"][-1]
         for d in (full, crashed)
     )  # fmt: skip
+    # Exact: the same per-step figures summed in the same order (the sums resume
+    # from the checkpoint in float64).
     for key in ("loss", "top1_err", "top5_err"):
-        assert resumed_epoch[key] == pytest.approx(full_epoch[key], rel=1e-6), key
+        assert resumed_epoch[key] == full_epoch[key], key
 
 
 def test_non_finite_loss_stops_with_a_hint(digits, tmp_path):
@@ -161,8 +163,13 @@ def test_grad_clip_bounds_the_update(digits, tmp_path):
     moved = [
         (p.detach() - b).flatten() for p, b in zip(parts.trained.parameters(), before)
     ]
-    # plain SGD, lr 1: the step is the clipped gradient, of global norm 1e-3
-    assert torch.cat(moved).norm().item() == pytest.approx(1e-3, rel=1e-3)
+    # Plain SGD, lr 1: the step is the clipped gradient, of global norm 1e-3 - up to
+    # torch's clip coefficient max_norm / (norm + 1e-6) (norm > max_norm: at most
+    # 1e-6 / 1e-3 relative) and the step's subtraction, rounded at each weight's
+    # magnitude (u |w| each: u ||w|| in the norm).
+    weights = torch.cat([b.flatten() for b in before]).norm().item()
+    atol = 1e-3 * (1e-6 / 1e-3) + torch.finfo(torch.float32).eps / 2 * weights
+    assert torch.cat(moved).norm().item() == pytest.approx(1e-3, rel=0, abs=atol)
 
 
 def test_bad_checkpoints_stop_the_run_and_keep_what_was_written(digits, tmp_path):
