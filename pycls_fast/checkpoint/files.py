@@ -127,9 +127,18 @@ def remove_checkpoint(path: str) -> None:
         os.remove(path)
 
 
+def sync_folder(folder: str) -> None:
+    """fsyncs the folder's entries: a rename in it survives a power loss."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_atomically(obj, path: str) -> None:
-    """torch.save to a temporary name, fsync, rename: a crash never leaves a
-    half-written file at `path`."""
+    """torch.save to a temporary name, fsync, rename, fsync the folder: a crash or
+    a power loss never leaves a half-written file at `path`."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -137,6 +146,7 @@ def save_atomically(obj, path: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        sync_folder(os.path.dirname(os.path.abspath(path)))
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

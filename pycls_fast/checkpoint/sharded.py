@@ -34,7 +34,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pycls_fast.checkpoint.files import SHARDED_SUFFIX as SUFFIX
-from pycls_fast.checkpoint.files import is_sharded, safe_load, save_atomically
+from pycls_fast.checkpoint.files import (
+    is_sharded,
+    safe_load,
+    save_atomically,
+    sync_folder,
+)
 from pycls_fast.errors import CheckpointError
 from pycls_fast.parallel.tensor_parallel import to_checkpoint, tp_size
 from pycls_fast.runtime import distributed
@@ -139,7 +144,8 @@ def publish(path: str) -> None:
 
 
 def _replace(tmp: str, path: str) -> None:
-    """Renames the written folder `tmp` to `path`, over an older one."""
+    """Renames the written folder `tmp` to `path`, over an older one (DCP synced
+    the files; the parent folder's entries are synced after the rename)."""
     if os.path.exists(path):
         old = path + ".old"
         os.replace(path, old)
@@ -147,6 +153,7 @@ def _replace(tmp: str, path: str) -> None:
         shutil.rmtree(old)
     else:
         os.replace(tmp, path)
+    sync_folder(os.path.dirname(os.path.abspath(path)))
 
 
 def save(

@@ -10,7 +10,9 @@ import torch
 
 from pycls_fast.checkpoint import files, sharded
 from pycls_fast.errors import CheckpointError
+from pycls_fast.launch import processes as launch
 from pycls_fast.models import build_model
+from pycls_fast.runtime import distributed
 from tests.helpers import tiny_cfg
 
 
@@ -125,3 +127,89 @@ def test_removing_partial_writes_never_fails_over_one_it_cannot_remove(tmp_path)
         "model_epoch_0003.dcp.tmp",
     ]  # fmt: skip
     assert sorted(os.listdir(folder)) == ["link.tmp", "model_epoch_0001.pyth"]
+
+
+def test_a_checkpoint_is_on_disk_before_its_name_is(tmp_path, monkeypatch):
+    """save_atomically's durability order: the temporary file's data reach the disk
+    (fsync) before the rename makes them the checkpoint, and the folder's entry is
+    synced after it; a power loss then leaves the old checkpoint or the new one,
+    never a named file of zeros. (A crash itself cannot be had in-process: the calls
+    and their order are what is checked.)"""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.realpath(src), os.path.realpath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = files.save_checkpoint(str(tmp_path), {"epoch": 1}, 1)
+    folder = os.path.realpath(os.path.dirname(path))
+    tmp = f"{os.path.realpath(path)}.tmp.{os.getpid()}"
+    assert events == [
+        ("fsync", tmp),
+        ("replace", tmp, os.path.realpath(path)),
+        ("fsync", folder),
+    ]
+    assert files.load_checkpoint(path)["epoch"] == 1
+
+
+def test_a_leftover_another_node_removes_first_does_not_stop_the_save(
+    tmp_path, monkeypatch
+):
+    """On a shared folder the first rank of every node clears a crashed write's
+    leftover: another node may remove it between this node's look and its rmtree."""
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = str(tmp_path / "model_epoch_0001.dcp")
+    _touch(path + ".tmp", "__7_0.distcp")
+    real_rmtree = sharded.shutil.rmtree
+
+    def another_node_first(folder, *args, **kwargs):
+        real_rmtree(folder)  # the other node's removal, just before this one's
+        return real_rmtree(folder, *args, **kwargs)
+
+    monkeypatch.setattr(sharded.shutil, "rmtree", another_node_first)
+    sharded.save(path, model, optimizer, None, {"epoch": 1, "iter": 0, "cfg": ""}, {})
+    assert ".metadata" in os.listdir(path) and not os.path.exists(path + ".tmp")
+
+
+def _save_as_two_nodes(cfg):
+    """Rank 1 as the first rank of a second node (LOCAL_RANK 0), writing into its
+    own folder (node-local: OUT_DIR/node<rank>) or the shared OUT_DIR/shared."""
+    os.environ["LOCAL_RANK"] = "0"
+    rank = distributed.rank()
+    node_local = cfg.OUT_DIR.endswith("local")
+    folder = os.path.join(cfg.OUT_DIR, f"node{rank}" if node_local else "shared")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = os.path.join(folder, "model_epoch_0001.dcp")
+    meta = {"epoch": 1, "iter": 0, "cfg": ""}
+    sharded.save(path, model, optimizer, None, meta, {"rank": rank})
+
+
+@pytest.mark.parametrize("folders", ["local", "shared"])
+def test_each_node_publishes_the_shards_its_folder_holds(tmp_path, folders):
+    """Node-local folders (a remote OUT_DIR's mirrors): rank 0's folder gets the
+    metadata, the other node's its own shards, and each node renames its own copy
+    so that it can upload it. A shared folder: rank 0 alone renames."""
+    out = tmp_path / folders
+    launch.launch(_save_as_two_nodes, tiny_cfg("NUM_GPUS", "2", "OUT_DIR", str(out)))
+    name = "model_epoch_0001.dcp"
+    if folders == "local":
+        assert os.listdir(out / "node0") == [name] == os.listdir(out / "node1")
+        assert ".metadata" in os.listdir(out / "node0" / name)
+        assert ".metadata" not in os.listdir(out / "node1" / name)
+        assert "__1_0.distcp" in os.listdir(out / "node1" / name)
+    else:
+        assert os.listdir(out / "shared") == [name]
+        held = set(os.listdir(out / "shared" / name))
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= held
