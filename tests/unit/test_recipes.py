@@ -2,18 +2,22 @@
 
 Each reference value below is written from its source (an argument default of
 facebookresearch/deit main.py, a command line of its README_revenge.md, timm's
-behaviour that main.py calls, or the paper's table), in the units the reference uses,
-and converted here by the rule the config's key documents (a min lr as a fraction of
-BASE_LR, a warm-up start as a factor, an eval crop ratio as a resize size). A recipe
-file that drifts from its reference fails with the key and the source.
+behaviour that main.py calls, or the paper's table; pycls's config files; big_vision's
+vit_i1k.py and the code it calls), in the units the reference uses, and converted here
+by the rule the config's key documents (a min lr as a fraction of BASE_LR, a warm-up
+start as a factor, warm-up steps as epochs, an eval crop ratio as a resize size). A
+recipe file that drifts from its reference fails with the key and the source. Files
+that are not recipes are named, with the reason (NOT_RECIPES, VIT_NOT_RECIPES).
 """
 
 import os
 
 import pytest
+import torch
 
+from pycls_fast.components.optimizer import construct_optimizer, lr_at, set_lr
 from pycls_fast.config import load_cfg
-from tests.helpers import ROOT
+from tests.helpers import EXACT, ROOT
 
 # DeiT (ICML 2021), facebookresearch/deit main.py defaults: the same for Ti, S, B.
 _DEIT_LR, _DEIT_BATCH = 5e-4, 1024  # --lr 5e-4; Table 9: batch 1024
@@ -214,6 +218,107 @@ PYCLS_REFERENCES = {
     for ours, (theirs, specific) in _PYCLS.items()
 }
 
+# AugReg ViT-B/16 ("How to train your ViT?", arXiv 2106.10270): google-research/
+# big_vision at commit 8921d51, configs/vit_i1k.py with variant=B/16 (its aug setting
+# 'medium2'), and what the code it calls does with the values: optax.py (the update
+# chain), utils.py (schedule, mixup), pp/ (crop, normalization), models/vit.py.
+_BV = "big_vision 8921d51 "
+_BV_LR, _BV_BATCH, _BV_WD = 1e-3, 4096, 1e-4  # vit_i1k.py: lr, input.batch_size, wd
+# utils.steps: an epoch is data_size / batch_size steps; data_size is train[:99%] of
+# ImageNet-1k's 1,281,167 images (the last 1% is its minival).
+_BV_STEPS_PER_EPOCH = round(0.99 * 1_281_167) / _BV_BATCH
+_BV_WEIGHT_DECAY = "optax.py wd_mults '.*/kernel$': weight matrices only"
+AUGREG = {
+    "OPTIM.OPTIMIZER": ("adamw", _BV + "optax_name scale_by_adam + decoupled wd"),
+    "OPTIM.BASE_LR": (_BV_LR, _BV + "vit_i1k.py lr 0.001 (no batch scaling)"),
+    "OPTIM.LR_POLICY": ("cos", _BV + "schedule decay_type 'cosine'"),
+    "OPTIM.LR_PER_ITER": (True, _BV + "utils.py: the schedule is per step"),
+    "OPTIM.MIN_LR": (0.0, _BV + "utils.py: the cosine ends at 0"),
+    # OPTIM.WARMUP_EPOCHS is an integer: 10,000 steps are 32.3 epochs.
+    "OPTIM.WARMUP_EPOCHS": (
+        round(10_000 / _BV_STEPS_PER_EPOCH),
+        _BV + "warmup_steps=10_000, in epochs",
+    ),
+    "OPTIM.WARMUP_FACTOR": (0.0, _BV + "utils.py: lr x min(1, step / warmup)"),
+    "OPTIM.MAX_EPOCH": (300, _BV + "vit_i1k.py total_epochs 300"),
+    # optax.py adds wd x param to the update before the schedule, not times lr;
+    # torch's AdamW decays by lr x weight_decay, lr being BASE_LR x the schedule.
+    "OPTIM.WEIGHT_DECAY": (_BV_WD / _BV_LR, _BV + "vit_i1k.py wd 0.0001 / lr"),
+    "OPTIM.BETA1": (0.9, _BV + "optax.scale_by_adam default b1"),
+    "OPTIM.BETA2": (0.999, _BV + "optax.scale_by_adam default b2"),
+    "OPTIM.GRAD_CLIP": (1.0, _BV + "vit_i1k.py grad_clip_norm 1.0"),
+    "OPTIM.EMA_ALPHA": (0.0, _BV + "train.py keeps no EMA"),
+    "OPTIM.LAYER_DECAY": (1.0, _BV + "vit_i1k.py: no lr_mults"),
+    "OPTIM.NO_DECAY_TOKENS": (True, _BV + _BV_WEIGHT_DECAY),
+    "OPTIM.BIAS_USE_CUSTOM_WEIGHT_DECAY": (True, _BV + _BV_WEIGHT_DECAY),
+    "OPTIM.BIAS_CUSTOM_WEIGHT_DECAY": (0.0, _BV + _BV_WEIGHT_DECAY),
+    "LN.USE_CUSTOM_WEIGHT_DECAY": (True, _BV + _BV_WEIGHT_DECAY),
+    "LN.CUSTOM_WEIGHT_DECAY": (0.0, _BV + _BV_WEIGHT_DECAY),
+    "LN.EPS": (1e-6, _BV + "models/vit.py: flax nn.LayerNorm's default"),
+    "VIT.PATCH_SIZE": (16, _BV + "variant B/16"),
+    "VIT.HIDDEN_DIM": (768, _BV + "models/vit.py decode_variant('B')"),
+    "VIT.NUM_LAYERS": (12, _BV + "models/vit.py decode_variant('B')"),
+    "VIT.NUM_HEADS": (12, _BV + "models/vit.py decode_variant('B')"),
+    "VIT.MLP_DIM": (3072, _BV + "models/vit.py decode_variant('B')"),
+    "VIT.CLASSIFIER_TYPE": ("token", _BV + "vit_i1k.py pool_type 'tok'"),
+    "VIT.DROP_PATH": (0.0, _BV + "models/vit.py: no stochastic depth"),
+    "VIT.LAYER_SCALE": (0.0, _BV + "models/vit.py: no LayerScale"),
+    "TRAIN.IM_SIZE": (224, _BV + "decode_jpeg_and_inception_crop(224)"),
+    "TRAIN.BATCH_SIZE": (_BV_BATCH, _BV + "vit_i1k.py input.batch_size 4096"),
+    "TRAIN.LOSS": ("ce", _BV + "vit_i1k.py loss 'softmax_xent'"),
+    "TRAIN.LABEL_SMOOTHING": (0.0, _BV + "onehot labels"),
+    "TRAIN.MIXUP_ALPHA": (0.5, _BV + "MIXUP_DEF medium2 p=0.5: Beta(p, p) per batch"),
+    "TRAIN.CUTMIX_ALPHA": (0.0, _BV + "no CutMix"),
+    # TF RandAugment: N ops, each applied, magnitude M on the same 0-10 scale as
+    # timm's, unclipped (timm clips at 10 unless mmax says otherwise).
+    "TRAIN.AUGMENT": ("rand-m15-n2-mmax15-p1.0", _BV + "RANDAUG_DEF randaug(2,15)"),
+    "TRAIN.PCA_STD": (0.0, _BV + "no PCA lighting"),
+    "TRAIN.COLOR_JITTER": (0.0, _BV + "no colour jitter"),
+    "TRAIN.THREE_AUGMENT": (False, _BV + "no 3-Augment"),
+    "TRAIN.RANDOM_ERASE": (0.0, _BV + "no random erasing"),
+    "TRAIN.REPEATED_AUG": (1, _BV + "no repeated augmentation"),
+    "DATA.TRAIN_CROP": ("random_resized", _BV + "inception crop"),
+    "DATA.CROP_SCALE": ([0.05, 1.0], _BV + "ops_image.py area_min=5, area_max=100"),
+    "DATA.HFLIP": (0.5, _BV + "flip_lr"),
+    "DATA.MEAN": ([0.5, 0.5, 0.5], _BV + "value_range(-1, 1)"),
+    "DATA.STD": ([0.5, 0.5, 0.5], _BV + "value_range(-1, 1)"),
+    "TEST.IM_SIZE": (256, _BV + "resize_small(256)|central_crop(224)"),
+}
+AUGREG_REFERENCES = {"ViT-B-16.yaml": AUGREG}
+
+# configs/vit/: the model sizes of the speed ladder, not accuracy recipes. Their
+# training keys are facebookresearch/pycls main's configs/fsdp/example.yaml (commit
+# 0a97464, a ViT-H/16 with the pooled classifier and MTA), key for key, except the
+# batch sizes (1024 here, 256 there) and the layout keys (NUM_GPUS, FSDP, PARALLEL:
+# plan_net's choice, test_shipped_layouts); the dimensions are the papers'
+# (test_config's PUBLISHED).
+_FSDP_SRC = "pycls main 0a97464 configs/fsdp/example.yaml"
+VIT_SPEED = {
+    key: (value, _FSDP_SRC)
+    for key, value in {
+        "MODEL.NUM_CLASSES": 1000, "VIT.STEM_TYPE": "patchify",
+        "VIT.CLASSIFIER_TYPE": "pooled", "OPTIM.OPTIMIZER": "adamw",
+        "OPTIM.LR_POLICY": "cos", "OPTIM.BASE_LR": 0.001, "OPTIM.MIN_LR": 0.005,
+        "OPTIM.MAX_EPOCH": 100, "OPTIM.WEIGHT_DECAY": 0.24, "OPTIM.WARMUP_EPOCHS": 5,
+        "OPTIM.EMA_ALPHA": 1e-5, "OPTIM.EMA_UPDATE_PERIOD": 32, "OPTIM.MTA": True,
+        "OPTIM.BIAS_USE_CUSTOM_WEIGHT_DECAY": True,
+        "OPTIM.BIAS_CUSTOM_WEIGHT_DECAY": 0.0, "LN.EPS": 1e-6,
+        "LN.USE_CUSTOM_WEIGHT_DECAY": True, "LN.CUSTOM_WEIGHT_DECAY": 0.0,
+        "TRAIN.DATASET": "imagenet", "TRAIN.IM_SIZE": 224, "TRAIN.MIXUP_ALPHA": 0.8,
+        "TRAIN.CUTMIX_ALPHA": 1.0, "TRAIN.LABEL_SMOOTHING": 0.1,
+        "TRAIN.AUGMENT": "AutoAugment", "TRAIN.MIXED_PRECISION": True,
+        "TEST.DATASET": "imagenet", "TEST.IM_SIZE": 224, "DATA_LOADER.NUM_WORKERS": 10,
+        "LOG_PERIOD": 100,
+    }.items()
+}  # fmt: skip
+# Not recipes: every file of configs/vit/ (the reason above), named so that a new
+# file there has to say what it is.
+VIT_NOT_RECIPES = {
+    f"ViT-{size}.yaml"
+    for size in ("Ti-16", "S-16", "B-16", "L-16", "H-16", "H-14",
+                 "g-14", "G-14", "e-14", "22B-14")
+}  # fmt: skip
+
 
 def _get(cfg, key):
     node = cfg
@@ -267,3 +372,61 @@ def test_recipe_cites_its_sources(name):
         text = f.read()
     header = text.split("\n\n")[0] if text.startswith("#") else ""
     assert "facebookresearch/deit" in text.splitlines()[0] + header
+
+
+def test_every_augreg_config_has_a_reference():
+    files = set(os.listdir(os.path.join(ROOT, "configs/augreg")))
+    assert files == set(AUGREG_REFERENCES)
+
+
+@pytest.mark.parametrize("name", sorted(AUGREG_REFERENCES))
+def test_augreg_recipe_matches_big_vision(name):
+    _check("configs/augreg", name, AUGREG_REFERENCES[name])
+    with open(os.path.join(ROOT, "configs/augreg", name)) as f:
+        header = f.read().split("\nDESC:")[0]
+    assert "google-research/big_vision" in header and "commit 8921d51" in header
+
+
+def test_every_vit_config_is_a_named_speed_config():
+    files = set(os.listdir(os.path.join(ROOT, "configs/vit")))
+    assert files == VIT_NOT_RECIPES
+
+
+@pytest.mark.parametrize("name", sorted(VIT_NOT_RECIPES))
+def test_vit_speed_config_keeps_pyclss_fsdp_example(name):
+    """Not a recipe, but its training keys are its source's, and it says so."""
+    _check("configs/vit", name, VIT_SPEED)
+    with open(os.path.join(ROOT, "configs/vit", name)) as f:
+        header = f.read().split("\nDESC:")[0]
+    assert "not an accuracy recipe" in header
+    assert "configs/fsdp/example.yaml (commit 0a97464" in header
+
+
+def test_augreg_weight_decay_is_big_visions():
+    """big_vision's update (optax.py at 8921d51: scale_by_adam, scale(lr),
+    additive_weight_decay(wd), scale_by_schedule(s), scale(-1)) decays by s x wd,
+    not lr x s x wd; torch's AdamW at lr = BASE_LR x s with the file's WEIGHT_DECAY
+    (wd / lr) takes the same steps. Steps at the file's own schedule values."""
+    cfg = load_cfg(
+        os.path.join(ROOT, "configs/augreg/ViT-B-16.yaml"), ["OPTIM.MTA", "False"]
+    )
+    o = cfg.OPTIM
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(5, 3, dtype=torch.float64, generator=gen)
+    grads = [torch.randn(5, 3, dtype=torch.float64, generator=gen) for _ in range(4)]
+    ours = start.clone().requires_grad_()
+    opt = construct_optimizer(
+        [{"params": [ours], "weight_decay": o.WEIGHT_DECAY, "lr_scale": 1.0}], cfg
+    )
+    theirs, mu, nu = start.clone(), torch.zeros_like(start), torch.zeros_like(start)
+    b1, b2, eps = 0.9, 0.999, 1e-8  # optax.scale_by_adam's defaults
+    for t, (epoch, g) in enumerate(zip((1.0, 20.0, 150.0, 290.0), grads), 1):
+        lr = lr_at(cfg, epoch)
+        set_lr(opt, lr)
+        ours.grad = g.clone()
+        opt.step()
+        mu, nu = b1 * mu + (1 - b1) * g, b2 * nu + (1 - b2) * g * g
+        adam = (mu / (1 - b1**t)) / ((nu / (1 - b2**t)).sqrt() + eps)
+        s = lr / _BV_LR  # the schedule's value at this step
+        theirs = theirs - s * (_BV_LR * adam + _BV_WD * theirs)
+    torch.testing.assert_close(ours.detach(), theirs, **EXACT)

@@ -13,7 +13,7 @@ from tests.helpers import ROOT
 
 SHIPPED = sorted(
     p
-    for folder in ("vit", "pycls", "deit")
+    for folder in ("vit", "pycls", "deit", "augreg")
     for p in glob.glob(os.path.join(ROOT, "configs", folder, "*.yaml"))
 )
 
