@@ -204,6 +204,12 @@ EQUIVALENT: dict[str, str] = {
         "the first: torch's message has one such line (it stops at the first "
         "global it refuses)"
     ),
+    "pycls_fast/checkpoint/sharded.py:publish:drop0:distributed.barrier()": (
+        "dcp.save and async_save end with an all-reduce whose result rank 0 "
+        "broadcasts after writing .metadata (torch's _DistWrapper.all_reduce): no "
+        "rank returns before every shard and the metadata are on disk, so the "
+        "barrier that says so again is redundant"
+    ),
     "pycls_fast/checkpoint/sharded.py:load:negate0:if 'ema' in whole:": (
         "dcp.load fills the EMA's own parameter tensors in place "
         "(get_model_state_dict returns them, not copies): setting them again "

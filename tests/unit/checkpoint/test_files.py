@@ -4,6 +4,7 @@ checkpoint consolidated into one file holds."""
 
 import fractions
 import os
+import time
 
 import pytest
 import torch
@@ -186,6 +187,15 @@ def _save_as_two_nodes(cfg):
     own folder (node-local: OUT_DIR/node<rank>) or the shared OUT_DIR/shared."""
     os.environ["LOCAL_RANK"] = "0"
     rank = distributed.rank()
+    if rank == 1:  # a slow look for the metadata: rank 0 must wait for it
+        exists = os.path.exists
+
+        def slow_exists(path):
+            if path.endswith(".metadata"):
+                time.sleep(1.0)
+            return exists(path)
+
+        os.path.exists = slow_exists
     node_local = cfg.OUT_DIR.endswith("local")
     folder = os.path.join(cfg.OUT_DIR, f"node{rank}" if node_local else "shared")
     torch.manual_seed(0)
@@ -200,7 +210,8 @@ def _save_as_two_nodes(cfg):
 def test_each_node_publishes_the_shards_its_folder_holds(tmp_path, folders):
     """Node-local folders (a remote OUT_DIR's mirrors): rank 0's folder gets the
     metadata, the other node's its own shards, and each node renames its own copy
-    so that it can upload it. A shared folder: rank 0 alone renames."""
+    so that it can upload it. A shared folder: rank 0 alone renames, once the
+    other node has looked for the metadata (or it would rename what is gone)."""
     out = tmp_path / folders
     launch.launch(_save_as_two_nodes, tiny_cfg("NUM_GPUS", "2", "OUT_DIR", str(out)))
     name = "model_epoch_0001.dcp"
