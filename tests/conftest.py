@@ -11,6 +11,7 @@ under CI=true a skipped SLURM test fails the run (a CI machine must start SLURM 
 
 import collections
 import os
+import platform
 import sys
 
 GPU_TESTS = "--gpu" in sys.argv or os.environ.get("PYCLS_FAST_TEST_GPU") == "1"
@@ -91,12 +92,27 @@ def _skip_reason(report) -> str:
     return str(report.longrepr)
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def pytest_terminal_summary(terminalreporter):
-    """One line per reason: how many tests skipped and why (GPU tests included)."""
+    """One line per reason: how many tests skipped and why (GPU tests included);
+    then the machine the suite ran on (tolerances must hold on every CPU kind)."""
     skipped = terminalreporter.stats.get("skipped", [])
-    if not skipped:
-        return
-    reasons = collections.Counter(_skip_reason(r) for r in skipped)
-    terminalreporter.section("skipped, by reason")
-    for reason, count in reasons.most_common():
-        terminalreporter.write_line(f"{count} skipped: {reason}")
+    if skipped:
+        reasons = collections.Counter(_skip_reason(r) for r in skipped)
+        terminalreporter.section("skipped, by reason")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"{count} skipped: {reason}")
+    terminalreporter.write_line(
+        f"ran on: {_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    )
