@@ -193,18 +193,21 @@ def _first_line(e: BaseException) -> str:
     return str(getattr(e, "strerror", None) or e).strip().splitlines()[0]
 
 
+def _sharded_path(cfg, epoch: int, iteration: int) -> str:
+    """The sharded checkpoint folder of (epoch, iteration), its parent made."""
+    folder = files.checkpoint_dir(cfg.OUT_DIR)
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, files.checkpoint_name(epoch, iteration, sharded.SUFFIX))
+
+
 def start_save(parts, epoch: int, iteration: int, stager, group):
     """Starts writing the checkpoint of (epoch, iteration) beside training (every
     rank takes part): the state is staged to host memory by `stager` (files) or by
     DCP (sharded, its collectives on `group`) before this returns; returns the
     write (async_writer)."""
     cfg = parts.cfg
-    folder = files.checkpoint_dir(cfg.OUT_DIR)
     if sharded_checkpoints(cfg):
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(
-            folder, files.checkpoint_name(epoch, iteration, sharded.SUFFIX)
-        )
+        path = _sharded_path(cfg, epoch, iteration)
         future = sharded.start_save(
             path,
             parts.trained,
@@ -257,10 +260,7 @@ def save(parts, epoch: int, iteration: int):
     error, path = None, None
     try:
         if sharded_checkpoints(cfg):
-            os.makedirs(folder, exist_ok=True)
-            path = os.path.join(
-                folder, files.checkpoint_name(epoch, iteration, sharded.SUFFIX)
-            )
+            path = _sharded_path(cfg, epoch, iteration)
             sharded.save(
                 path,
                 parts.trained,
