@@ -12,7 +12,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 	check-node bench bench-dist bench-attention \
 	bench-loader bench-index bench-shards bench-loader-scaling \
 	bench-optimizer bench-progressive bench-infer bench-build-memory mutation \
-	bench-checkpoint clean
+	bench-checkpoint test-kernels clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,17 @@ test-unit: setup-dev
 # Subprocesses, signals, process groups, benchmarks' smoke runs: tests/integration.
 test-integration: setup-dev slurm
 	$(PY) -m pytest -q tests/integration
+
+# The numerical parity tests (layouts, kernels, precision, TP/PP) under the kernels
+# another CPU would pick: ATen's AVX2 and plain (no SIMD) paths, oneDNN capped at AVX2
+# and SSE4.1. No tolerance may depend on this machine's kernels (docs/RELIABILITY.md,
+# "Tolerances"); about 15 minutes on 2 cores.
+PARITY_TESTS := tests/unit/models tests/unit/components tests/unit/parallel \
+	tests/integration/test_tensor_parallel.py tests/integration/test_pipeline.py \
+	tests/integration/test_pipeline_parallel.py
+test-kernels: setup-dev
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q $(PARITY_TESTS)
+	ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 $(PY) -m pytest -q $(PARITY_TESTS)
 
 # Under CI=true a failed install fails the run (cluster.sh says why); elsewhere the
 # SLURM tests skip, and the summary counts them.
