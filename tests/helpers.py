@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -279,3 +280,43 @@ def sampling_band(n: int, std: float, sigmas: float = 5.0) -> float:
     probability under 6e-7). A frequency p is the mean of draws of std
     sqrt(p (1 - p))."""
     return sigmas * std / n**0.5
+
+
+@contextlib.contextmanager
+def backend_flags_restored():
+    """Yields the backend flags apply_backend_flags sets, as they were (matmul
+    precision, oneDNN's and cuDNN's fp32 math, cuDNN benchmark), and restores them
+    through the same APIs: writing the CUDA matmul's fp32_precision directly would
+    leave torch's two APIs mixed, and torch.get_float32_matmul_precision() raising
+    for every later test."""
+    saved = (
+        torch.get_float32_matmul_precision(),
+        torch.backends.mkldnn.matmul.fp32_precision,
+        torch.backends.cudnn.conv.fp32_precision,
+        torch.backends.cudnn.benchmark,
+    )
+    try:
+        yield saved
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.mkldnn.matmul.fp32_precision = saved[1]
+        torch.backends.cudnn.conv.fp32_precision = saved[2]
+        torch.backends.cudnn.benchmark = saved[3]
+
+
+def wait_for_iterations(out_dir, count: int, procs=(), timeout: float = 120):
+    """Waits until OUT_DIR's log shows `count` train_iter records; returns the last,
+    or None as soon as one of `procs` (the run's processes) has ended."""
+    from pycls_fast.observe.logging import load_json_stats
+
+    log = os.path.join(out_dir, "stdout.log")
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(log):
+            iters = [r for r in load_json_stats(log) if r["_type"] == "train_iter"]
+            if len(iters) >= count:
+                return iters[-1]
+        if any(p.poll() is not None for p in procs):
+            return None
+        time.sleep(0.1)
+    raise AssertionError(f"no {count} iterations logged in {timeout} s")

@@ -12,9 +12,8 @@ import pytest
 
 from pycls_fast.checkpoint import files as ckpt
 from pycls_fast.observe.logging import load_json_stats
-from tests.helpers import DIGITS_CFG, ROOT, one_thread_env
+from tests.helpers import DIGITS_CFG, ROOT, one_thread_env, wait_for_iterations
 from tests.integration.test_distributed import FP32, _final_test, _opts, _train
-from tests.integration.test_reliability import _wait_for_iterations
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +41,7 @@ def test_fsdp_async_checkpoints_survive_a_kill_and_end_as_sync(digits, tmp_path)
         start_new_session=True,
     )
     try:
-        _wait_for_iterations(out, 5)
+        wait_for_iterations(out, 5)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

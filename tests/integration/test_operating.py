@@ -13,13 +13,12 @@ import pytest
 
 from pycls_fast.checkpoint import files as ckpt
 from pycls_fast.observe.logging import load_json_stats
-from tests.helpers import JSON_REL
+from tests.helpers import JSON_REL, wait_for_iterations
 from tests.integration.test_reliability import (  # noqa: F401 - the fixture
     _assert_same_run,
     _finish,
     _start,
     _train,
-    _wait_for_iterations,
     uninterrupted,
 )
 
@@ -48,7 +47,7 @@ def test_kill_and_rerun_keep_one_wandb_run_and_charge_goodput(
 ):
     monkeypatch.setenv("WANDB_SILENT", "true")
     proc = _start(digits, tmp_path, *OPTS)
-    _wait_for_iterations(tmp_path, 6)  # the checkpoint of iteration 4 is complete
+    wait_for_iterations(tmp_path, 6)  # the checkpoint of iteration 4 is complete
     os.killpg(proc.pid, signal.SIGKILL)
     _finish(proc)
     logged = [r for r in load_json_stats(tmp_path / "stdout.log")

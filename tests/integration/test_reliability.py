@@ -19,7 +19,14 @@ from pycls_fast.engine.trainer import train_model
 from pycls_fast.errors import UserError
 from pycls_fast.observe.logging import load_json_stats
 from pycls_fast.runtime.run_lock import OutDirInUseError, RunLock
-from tests.helpers import DIGITS_CFG, ROOT, digits_opts, one_thread_env, tool_command
+from tests.helpers import (
+    DIGITS_CFG,
+    ROOT,
+    digits_opts,
+    one_thread_env,
+    tool_command,
+    wait_for_iterations,
+)
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -61,19 +68,6 @@ def _train(digits, out_dir, *extra, launcher=None):
     return out
 
 
-def _wait_for_iterations(out_dir, count, timeout=120):
-    """Waits until the log shows `count` train_iter records; returns the last."""
-    log = os.path.join(out_dir, "stdout.log")
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if os.path.exists(log):
-            iters = [r for r in load_json_stats(log) if r["_type"] == "train_iter"]
-            if len(iters) >= count:
-                return iters[-1]
-        time.sleep(0.1)
-    raise AssertionError(f"no {count} iterations logged in {timeout} s")
-
-
 def _final_state(out_dir):
     path = os.path.join(out_dir, "checkpoints", "model_epoch_0002.pyth")
     return torch.load(path, map_location="cpu", weights_only=False)
@@ -109,7 +103,7 @@ def test_signal_checkpoints_and_the_rerun_ends_identically(
     digits, tmp_path, uninterrupted, sig
 ):
     proc = _start(digits, tmp_path)
-    _wait_for_iterations(tmp_path, 3)
+    wait_for_iterations(tmp_path, 3)
     proc.send_signal(sig)
     code, _, err = _finish(proc)
     assert code == 128 + sig, err[-3000:]
@@ -132,7 +126,7 @@ def test_sigterm_to_a_multi_process_job_checkpoints_every_rank(digits, tmp_path,
     else:  # DDP, ranks spawned by train_net itself
         launcher, opts = None, ["NUM_GPUS", "2"]
     proc = _start(digits, tmp_path, *opts, launcher=launcher)
-    _wait_for_iterations(tmp_path, 3)
+    wait_for_iterations(tmp_path, 3)
     proc.send_signal(signal.SIGTERM)  # to the launcher, which passes it to the ranks
     code, _, err = _finish(proc)
     assert code != 0
@@ -168,7 +162,7 @@ def test_sigkill_at_random_moments_loses_at_most_one_period(
     rng = random.Random(0)
     for kill in range(3):
         proc = _start(digits, tmp_path, *opts)
-        _wait_for_iterations(tmp_path, 2 + 3 * kill)
+        wait_for_iterations(tmp_path, 2 + 3 * kill)
         time.sleep(rng.uniform(0.0, 0.5))
         os.killpg(proc.pid, signal.SIGKILL)
         _finish(proc)
@@ -238,7 +232,7 @@ def test_a_failed_checkpoint_write_stops_and_keeps_the_previous(
 def test_two_trainings_into_one_out_dir_are_refused(digits, tmp_path):
     first = _start(digits, tmp_path, "OPTIM.MAX_EPOCH", "50")
     try:
-        _wait_for_iterations(tmp_path, 1)
+        wait_for_iterations(tmp_path, 1)
         log_before = (tmp_path / "stdout.log").read_text()
         second = _start(digits, tmp_path, "OPTIM.MAX_EPOCH", "50")
         code, _, err = _finish(second, timeout=120)

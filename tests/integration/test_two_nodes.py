@@ -9,12 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
-from pycls_fast.observe.logging import load_json_stats
-from tests.helpers import DIGITS_CFG, ROOT
+from tests.helpers import DIGITS_CFG, ROOT, wait_for_iterations
 
 pytestmark = pytest.mark.slow
 
@@ -67,21 +65,6 @@ def _launch_two_nodes(digits, out_dir, tmp_path, extra):
     return procs
 
 
-def _wait_for_iterations(out_dir, n, procs, timeout=240):
-    """Waits until the run has logged `n` training iterations."""
-    log = os.path.join(out_dir, "stdout.log")
-    end = time.time() + timeout
-    while time.time() < end:
-        if os.path.exists(log):
-            iters = [r for r in load_json_stats(log) if r["_type"] == "train_iter"]
-            if len(iters) >= n:
-                return
-        if any(p.poll() is not None for p in procs):
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"no {n} iterations in {timeout} s")
-
-
 # NUM_GPUS left at 1 under torchrun: the launcher's world size replaces it.
 @pytest.mark.parametrize(
     "layout", [["FSDP.ENABLED", "True"], ["PARALLEL.PP", "2"]], ids=["fsdp", "pp"]
@@ -90,7 +73,7 @@ def test_two_nodes_stop_checkpoint_and_resume_as_one_process(digits, tmp_path, l
     out_dir = tmp_path / "out"  # shared by both nodes
     procs = _launch_two_nodes(digits, out_dir, tmp_path, layout)
     try:
-        _wait_for_iterations(out_dir, 3, procs)
+        wait_for_iterations(out_dir, 3, procs, timeout=240)
         # Node 1's launcher is told to stop: it forwards SIGTERM to its rank, and
         # the ranks agree to stop at the next iteration, after a checkpoint.
         os.kill(procs[1].pid, signal.SIGTERM)

@@ -17,7 +17,7 @@ from pycls_fast.config import get_cfg
 from pycls_fast.engine.trainer import build_components, train_step
 from pycls_fast.errors import ConfigError
 from pycls_fast.models import build_model
-from tests.helpers import EXACT, float64_default, tiny_cfg
+from tests.helpers import EXACT, backend_flags_restored, float64_default, tiny_cfg
 
 MODES = [
     ("fp32", "bf16"),
@@ -247,16 +247,7 @@ def _like(param, full):
 def test_backend_flags_follow_the_config(tf32):
     from pycls_fast.components.precision import apply_backend_flags, fp32_math
 
-    # Restored through the same API apply_backend_flags uses: writing the CUDA
-    # matmul's fp32_precision directly would leave torch's two APIs mixed, and
-    # torch.get_float32_matmul_precision() raising for every later test.
-    saved = (
-        torch.get_float32_matmul_precision(),
-        torch.backends.mkldnn.matmul.fp32_precision,
-        torch.backends.cudnn.conv.fp32_precision,
-        torch.backends.cudnn.benchmark,
-    )
-    try:
+    with backend_flags_restored():
         apply_backend_flags(
             tiny_cfg("AMP.TF32", str(tf32), "CUDNN.BENCHMARK", str(not tf32))
         )
@@ -264,11 +255,6 @@ def test_backend_flags_follow_the_config(tf32):
         assert fp32_math() == expected
         assert torch.backends.cudnn.conv.fp32_precision == expected
         assert torch.backends.cudnn.benchmark is (not tf32)
-    finally:
-        torch.set_float32_matmul_precision(saved[0])
-        torch.backends.mkldnn.matmul.fp32_precision = saved[1]
-        torch.backends.cudnn.conv.fp32_precision = saved[2]
-        torch.backends.cudnn.benchmark = saved[3]
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pycls_fast.components.precision import apply_backend_flags, fp32_math
 from pycls_fast.engine.trainer import build_components, train_step
-from tests.helpers import tiny_cfg
+from tests.helpers import backend_flags_restored, tiny_cfg
 
 # (OPTIM.OPTIMIZER, OPTIM.MTA): fused kernels (SGD, Adam, AdamW on this device), the
 # per-parameter loop, and timm's LAMB (which skips on the host).
@@ -144,20 +144,9 @@ def _parts_o2():
 def test_tf32_keeps_the_matmul_precision_readable(tf32, name):
     # inductor's max-autotune calls torch.get_float32_matmul_precision(); it raised
     # once only the backend's fp32_precision was set.
-    saved = (
-        torch.get_float32_matmul_precision(),
-        torch.backends.mkldnn.matmul.fp32_precision,
-        torch.backends.cudnn.conv.fp32_precision,
-        torch.backends.cudnn.benchmark,
-    )
-    try:
+    with backend_flags_restored() as saved:
         apply_backend_flags(tiny_cfg("AMP.TF32", str(tf32)))
         assert torch.get_float32_matmul_precision() == name
         assert fp32_math() == ("tf32" if tf32 else "ieee")
         # The CPU's matmuls keep their math.
         assert torch.backends.mkldnn.matmul.fp32_precision == saved[1]
-    finally:
-        torch.set_float32_matmul_precision(saved[0])
-        torch.backends.mkldnn.matmul.fp32_precision = saved[1]
-        torch.backends.cudnn.conv.fp32_precision = saved[2]
-        torch.backends.cudnn.benchmark = saved[3]
