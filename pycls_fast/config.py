@@ -371,8 +371,8 @@ _key("VIT.LAYER_SCALE", 0.0, ge=0)
 
 # pycls_fast: QK-normalization (ViT-22B; timm's qk_norm): a LayerNorm over each
 # head's queries and keys before the dot product, bounding the attention logits that
-# cause loss spikes in large ViTs. Not with PARALLEL.TP > 1 (its weights would need a
-# tensor-parallel gradient reduction)
+# cause loss spikes in large ViTs. Under PARALLEL.TP > 1 each rank normalizes its own
+# heads and the norms' gradients are summed over the ranks
 _key("VIT.QK_NORM", False)
 
 # pycls_fast: compute the attention (logits, softmax, weighted sum) in float32 under
@@ -1430,11 +1430,6 @@ def check_cfg(cfg: CfgNode) -> None:
         raise ConfigError("OPTIM.STEPS must be set when OPTIM.LR_POLICY is 'steps'")
     _check_parallel(cfg)
     _check_optimizer(cfg)
-    if cfg.VIT.QK_NORM and cfg.PARALLEL.TP > 1:
-        raise ConfigError(
-            "VIT.QK_NORM True does not work with PARALLEL.TP > 1 yet (each rank's "
-            "q/k norms would see only its heads' gradients): use FSDP or PP"
-        )
     # Batches are split among the data-parallel ranks (NUM_GPUS without TP or PP).
     dp = cfg.NUM_GPUS // (cfg.PARALLEL.TP * cfg.PARALLEL.PP)
     ranks = f"NUM_GPUS ({cfg.NUM_GPUS})" if dp == cfg.NUM_GPUS else f"DP ({dp})"

@@ -136,6 +136,14 @@ def apply_tp(model: ViT, tp_mesh, sp: bool) -> ViT:
         # torchtitan's way: the module's head count becomes this rank's.
         attn.n_heads = attn.n_heads // tp
         plan = _block_plan(seq_dim, sp)
+        for name in ("q_norm", "k_norm"):
+            # QK-norm's LayerNorm is shared by all heads and sees this rank's heads
+            # only ((batch, heads, seq, head_d): dim 1): as a sequence-parallel norm,
+            # its replicated weights' gradients are summed over the ranks.
+            if isinstance(getattr(attn, name), nn.LayerNorm):
+                plan[f"self_attention.{name}"] = SequenceParallel(
+                    sequence_dim=1, use_local_output=True
+                )
         if sp:
             for name in (
                 "ls_1",

@@ -29,8 +29,18 @@ ADAMW = ["OPTIM.OPTIMIZER", "adamw", "OPTIM.BASE_LR", "1e-3"]
         ["PARALLEL.SEQUENCE_PARALLEL", "True", "VIT.LAYOUT", "batch_first"],
         # 17 tokens with the class token: the sequence stays whole.
         ["VIT.CLASSIFIER_TYPE", "token"],
+        # QK-norm's LayerNorms see each rank's heads: their gradients are summed.
+        ["VIT.QK_NORM", "True"],
+        ["VIT.QK_NORM", "True", "PARALLEL.SEQUENCE_PARALLEL", "True"],
     ],
-    ids=["tp", "tp-sp", "tp-sp-batch-first", "tp-class-token"],
+    ids=[
+        "tp",
+        "tp-sp",
+        "tp-sp-batch-first",
+        "tp-class-token",
+        "tp-qk-norm",
+        "tp-sp-qk-norm",
+    ],  # fmt: skip
 )
 def test_tp2_trains_as_one_process_fp32(extra, tmp_path):
     # From pretrained-like weights: at init the biases are zero, and a q/k/v bias

@@ -596,8 +596,3 @@ def test_lowercase_key_gets_did_you_mean():
 def test_a_non_boolean_word_for_a_boolean_is_still_refused():
     with pytest.raises(ConfigError, match="OPTIM.MTA: expected bool, got 'maybe'"):
         load_cfg(None, ["OPTIM.MTA", "maybe"])
-
-
-def test_qk_norm_with_tensor_parallelism_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match=r"^VIT.QK_NORM True does not work with"):
-        load_cfg(None, ["VIT.QK_NORM", "True", "NUM_GPUS", "2", "PARALLEL.TP", "2"])
