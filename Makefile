@@ -12,7 +12,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 	check-node bench bench-dist bench-attention \
 	bench-loader bench-index bench-shards bench-loader-scaling \
 	bench-optimizer bench-progressive bench-infer bench-build-memory mutation \
-	bench-checkpoint test-kernels clean
+	bench-checkpoint bench-gpu test-kernels clean
 
 setup: $(STAMP)
 
@@ -173,6 +173,11 @@ bench-build-memory: setup
 # (ViT-L width, 12 blocks, AdamW), and the step time while a write runs.
 bench-checkpoint: setup
 	$(PY) -m benchmarks.checkpoint_stall --json-out out/bench/checkpoint_stall.json
+
+# The first measurements on a GPU node (docs/PERFORMANCE.md): check_node, time_net per
+# AMP mode, the ladder on the node's GPUs, a short run per AMP mode. ~10 min on one H100.
+bench-gpu: setup
+	PY=$(PY) PATH=$(abspath $(VENV))/bin:$$PATH bash benchmarks/gpu_node.sh out/bench/gpu_node
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

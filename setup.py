@@ -17,9 +17,11 @@ setup(
     # of torch. Not here: fairscale (torch's FSDP2 replaces it; its last release fails
     # on current torch), apex (not on PyPI; torch's fused optimizers and autocast
     # replace it), iopath (nothing uses it). torchvision comes with timm.
+    # The floors are the releases the suite runs with (requirements.lock); older
+    # ones were seen to fail (runtime/device_info.py TESTED_FLOORS, which warns).
     install_requires=[
-        "torch>=2.6",
-        "timm>=1.0,<2",
+        "torch>=2.14",
+        "timm>=1.0.31,<2",
         "spdl>=0.1",
         "yacs>=0.1.8",
         "numpy>=1.24",

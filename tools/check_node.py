@@ -32,7 +32,11 @@ from pycls_fast.errors import UserError
 from pycls_fast.launch.cli import run
 from pycls_fast.launch.processes import launch
 from pycls_fast.runtime import distributed
-from pycls_fast.runtime.device_info import cuda_unusable_reason, describe_device
+from pycls_fast.runtime.device_info import (
+    cuda_unusable_reason,
+    describe_device,
+    outdated_warning,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CFG = os.path.join(ROOT, "configs/examples/vit_tiny_cpu.yaml")
@@ -234,7 +238,7 @@ def main():
     cfg = load_cfg(args.cfg_file, ["DATA.PATH", "", *args.opts])
     apply_backend_flags(tiny)
     device = distributed.device()
-    reason = cuda_unusable_reason()
+    reason = cuda_unusable_reason() or outdated_warning()
     rows = []
     if "device" in chosen:
         rows.append(

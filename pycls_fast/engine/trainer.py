@@ -93,7 +93,7 @@ from pycls_fast.parallel.tensor_parallel import (
     grad_norm,
 )
 from pycls_fast.runtime import distributed
-from pycls_fast.runtime.device_info import describe_device
+from pycls_fast.runtime.device_info import describe_device, outdated_warning
 from pycls_fast.runtime.preemption import StopRequest
 from pycls_fast.runtime.run_lock import RunLock
 from pycls_fast.storage import is_remote
@@ -199,6 +199,9 @@ def setup_run(cfg):
             wandb_cfg=cfg if cfg.LOG_WANDB else None,
         )
     apply_backend_flags(cfg)
+    outdated = outdated_warning()
+    if outdated and distributed.is_main():
+        logger.warning("warning: %s", outdated)
     logger.info(
         "output folder %s; device %s; %d process(es)",
         os.path.abspath(cfg.OUT_DIR),

@@ -25,6 +25,42 @@ _MIN_DRIVER = {11: 450, 12: 525, 13: 580}
 # The newest PyTorch CUDA wheel index each driver branch can run.
 _WHEEL_FOR_DRIVER = ((580, "cu130"), (525, "cu126"), (450, "cu118"))
 WHEEL_INDEX = "https://download.pytorch.org/whl/{tag}"
+# The oldest releases the suite passes with: setup.py's floors. Older ones were seen
+# to fail (docs/PERFORMANCE.md, "First measurements on a GPU"): torch 2.11's
+# PipelineStage takes no example gradients (plan_net --dry-run with PARALLEL.PP), timm
+# 1.0.30's save_for_hf no data_config (tools/export.py).
+TESTED_FLOORS = {"torch": "2.14", "timm": "1.0.31"}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(2, 11, 0) of "2.11.0+cu130" or "2.11.0a0": the leading numeric release."""
+    return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def outdated_packages(versions: dict[str, str] | None = None) -> list[str]:
+    """One "name version, older than floor" per package older than TESTED_FLOORS;
+    `versions` (name -> version) defaults to the installed torch and timm."""
+    if versions is None:
+        import timm
+
+        versions = {"torch": torch.__version__, "timm": timm.__version__}
+    return [
+        f"{name} {versions[name]}, older than {floor}"
+        for name, floor in TESTED_FLOORS.items()
+        if name in versions and _release(versions[name]) < _release(floor)
+    ]
+
+
+def outdated_warning() -> str | None:
+    """The warning line for outdated packages, with the fix; None when none is."""
+    old = outdated_packages()
+    if not old:
+        return None
+    pins = " ".join(f"'{n}>={v}'" for n, v in TESTED_FLOORS.items())
+    return (
+        f"{'; '.join(old)} (the oldest releases this project is tested with): "
+        f"pip install {pins}"
+    )
 
 
 def driver_version() -> str | None:

@@ -103,6 +103,8 @@ REDUCTIONS = [
      "needs the demo's averaged weights; test_export exports tiny weights"),
     ("GETTING_STARTED.md", ".venv/bin/python -c", "skip",
      "reads the W&B run of section 6; test_getting_started_wandb runs it"),
+    ("PERFORMANCE.md", "make bench-gpu", "skip",
+     "needs a GPU node; test_gpu_node runs benchmarks/gpu_node.sh with a tiny config"),
     ("PERFORMANCE.md", "python tools/train_net.py", "config", "a profile on a GPU"),
     ("RECIPES.md", "python tools/train_net.py", "config", "ImageNet on GPUs"),
     ("RECIPES.md", "make distill-demo", "skip", "minutes; test_distill_demo"),

@@ -113,3 +113,37 @@ def test_launch_refuses_unusable_gpus_before_any_work(monkeypatch):
 def test_describe_device_on_cpu():
     line = device_info.describe_device("cpu")
     assert line.startswith("cpu (") and f"torch {torch.__version__}" in line
+
+
+def test_outdated_packages_compare_releases_not_strings():
+    from pycls_fast.runtime.device_info import TESTED_FLOORS, outdated_packages
+
+    assert TESTED_FLOORS == {"torch": "2.14", "timm": "1.0.31"}
+    # The GPU image of docs/PERFORMANCE.md: both older.
+    assert outdated_packages({"torch": "2.11.0+cu130", "timm": "1.0.29"}) == [
+        "torch 2.11.0+cu130, older than 2.14",
+        "timm 1.0.29, older than 1.0.31",
+    ]
+    # "2.9" < "2.14" as releases, though not as strings; local tags and pre-releases
+    # compare by their release.
+    assert outdated_packages({"torch": "2.9.1"}) == ["torch 2.9.1, older than 2.14"]
+    assert outdated_packages({"torch": "2.14.1+cpu", "timm": "1.0.31"}) == []
+    assert outdated_packages({"torch": "2.15.0a0+git1234", "timm": "1.1.0"}) == []
+
+
+def test_the_installed_packages_are_not_outdated():
+    from pycls_fast.runtime.device_info import outdated_packages, outdated_warning
+
+    assert outdated_packages() == [] and outdated_warning() is None
+
+
+def test_the_outdated_warning_names_the_fix(monkeypatch):
+    from pycls_fast.runtime import device_info
+
+    monkeypatch.setattr(
+        device_info, "outdated_packages", lambda: ["torch 2.11.0, older than 2.14"]
+    )
+    assert device_info.outdated_warning() == (
+        "torch 2.11.0, older than 2.14 (the oldest releases this project is tested "
+        "with): pip install 'torch>=2.14' 'timm>=1.0.31'"
+    )
