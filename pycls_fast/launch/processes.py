@@ -156,8 +156,12 @@ def _free_port(cfg):
     if cfg.PORT:
         return cfg.PORT
     lo, hi = cfg.PORT_RANGE
+    # Drawn from the OS, not the `random` module: that one is seeded with RNG_SEED,
+    # so two jobs of one seed on a node (a sweep's, or parallel tests) would draw the
+    # same ports and collide.
+    draw = random.SystemRandom()
     for _ in range(100):
-        port = random.randint(lo, hi)
+        port = draw.randint(lo, hi)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("", port))

@@ -515,17 +515,26 @@ def _read_by_modules(key, text):
 
 def _code_only(path):
     """The source of `path` with comments and strings blanked out (names in prose or
-    messages are not reads)."""
+    messages are not reads). An f-string is blanked whole, expressions included, on
+    every Python: before 3.12 it is one STRING token, from 3.12 on a run of
+    FSTRING_START ... FSTRING_END tokens (nested ones included)."""
     with open(path) as f:
         lines = f.read().splitlines(keepends=True)
+    fstring_start = getattr(tokenize, "FSTRING_START", None)
+    fstring_end = getattr(tokenize, "FSTRING_END", None)
+    spans, depth, opened = [], 0, None
     with open(path, "rb") as f:
-        blanks = [
-            t
-            for t in tokenize.tokenize(f.readline)
-            if t.type in (tokenize.COMMENT, tokenize.STRING)
-        ]
-    for t in reversed(blanks):
-        (r0, c0), (r1, c1) = t.start, t.end
+        for t in tokenize.tokenize(f.readline):
+            if t.type == fstring_start:
+                depth += 1
+                opened = t.start if depth == 1 else opened
+            elif t.type == fstring_end:
+                depth -= 1
+                if depth == 0:
+                    spans.append((opened, t.end))
+            elif depth == 0 and t.type in (tokenize.COMMENT, tokenize.STRING):
+                spans.append((t.start, t.end))
+    for (r0, c0), (r1, c1) in reversed(spans):
         if r0 == r1:
             line = lines[r0 - 1]
             lines[r0 - 1] = line[:c0] + " " * (c1 - c0) + line[c1:]

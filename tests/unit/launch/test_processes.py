@@ -60,3 +60,22 @@ def test_cpu_threads_are_the_ranks_share_of_its_cpus(monkeypatch):
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "weird")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert cpu_threads() == cores
+
+
+def test_ports_are_not_drawn_from_the_seeded_random_module():
+    """seed_everything seeds `random` with RNG_SEED: two jobs of one seed on a node
+    (parallel tests, a sweep's runs) must still draw different ports."""
+    import random
+
+    from pycls_fast.config import get_cfg
+    from pycls_fast.launch.processes import _free_port
+
+    cfg = get_cfg()
+    draws = []
+    for _ in range(3):
+        random.seed(0)
+        draws.append(_free_port(cfg))
+    lo, hi = cfg.PORT_RANGE
+    assert all(lo <= p <= hi for p in draws)
+    # Three equal draws from 55,001 ports: a chance of 3e-10 unless seeded.
+    assert len(set(draws)) > 1
