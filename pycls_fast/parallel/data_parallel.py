@@ -88,10 +88,14 @@ def shard_model(
     policy = fsdp_mixed_precision(mode, half)
     kw = {"reshard_after_forward": reshard_after_forward(cfg), "mesh": mesh}
     if mode is AmpMode.O2 and cfg.AMP.LAYER_NORM_FP32:
-        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32)
-        for m in model.modules():
-            if isinstance(m, _NORMS):
-                fully_shard(m, mp_policy=fp32, **kw)
+        # All the norms are one FSDP unit gathered in fp32, not a unit each: every
+        # unit costs its own hooks, all-gather and reduce-scatter each step, which on
+        # a GPU made O2 slower than O1 (docs/PERFORMANCE.md, "First measurements on
+        # a GPU"). The norms' weights are a few KB a block.
+        norms = [m for m in model.modules() if isinstance(m, _NORMS)]
+        if norms:
+            fp32 = MixedPrecisionPolicy(param_dtype=torch.float32)
+            fully_shard(norms, mp_policy=fp32, **kw)
     for block in encoder_blocks(model):
         fully_shard(block, mp_policy=policy, **kw)
     fully_shard(model, mp_policy=policy, **kw)

@@ -49,9 +49,10 @@ def test_state_bytes_are_the_tensors_elements_times_their_size():
 
 
 def test_o2_under_fsdp_keeps_the_norms_in_fp32_and_the_rest_in_half():
-    """AMP.LAYER_NORM_FP32 under O2 and FSDP: each norm is an FSDP unit of its own
-    whose weights are gathered in fp32, the blocks' in half; in any other case the
-    norms go with their block."""
+    """AMP.LAYER_NORM_FP32 under O2 and FSDP: the norms are one FSDP unit of their
+    own (not one each: a unit costs hooks and collectives every step) whose weights
+    are gathered in fp32, the blocks' in half; in any other case the norms go with
+    their block."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
@@ -71,8 +72,13 @@ def test_o2_under_fsdp_keeps_the_norms_in_fp32_and_the_rest_in_half():
         # O2 autocasts too, so that fp32 norms meet half-precision linears.
         with torch.autocast("cpu", torch.bfloat16, enabled=mode is AmpMode.O2):
             model(torch.randn(2, 3, cfg.TRAIN.IM_SIZE, cfg.TRAIN.IM_SIZE))
-        units = {isinstance(m, FSDPModule) for m in model.modules()
-                 if isinstance(m, torch.nn.LayerNorm)}  # fmt: skip
+        norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+        units = {isinstance(m, FSDPModule) for m in norms}
+        if units == {True}:
+            # One unit for all of them, apart from every block's unit.
+            states = {id(m._get_fsdp_state()) for m in norms}
+            blocks = {id(b._get_fsdp_state()) for b in encoder_blocks(model)}
+            assert len(norms) > 2 and len(states) == 1 and not states & blocks
         return seen["norm"], seen["linear"], units
 
     init_single_process_group(tiny_cfg())
