@@ -24,6 +24,7 @@ IMAGES=${IMAGES:-320}
 EPOCHS=${EPOCHS:-3}
 LARGE=${LARGE:-256}
 PY=${PY:-python}
+if [ ! -f "$CFG" ]; then echo "gpu_node: no config file $CFG" >&2; exit 2; fi
 NPROC=${NPROC:-$($PY -c "import torch; print(max(torch.cuda.device_count(), 1))")}
 WORKERS=${WORKERS:-$(( $(nproc) / NPROC - 2 > 1 ? $(nproc) / NPROC - 2 : 1 ))}
 mkdir -p "$OUT_DIR"
@@ -40,7 +41,7 @@ phase() {  # phase NAME CMD...: one line when it starts and ends, its log in OUT
 }
 
 echo "gpu_node: $CFG, batch $BATCH per GPU, $NPROC GPU(s), $WORKERS loader threads; ~10 min"
-phase check_node $PY tools/check_node.py
+phase check_node $PY tools/check_node.py --cfg "$CFG"
 for m in $MODES; do
   phase "time_$m" $PY tools/time_net.py --cfg "$CFG" --seconds "$SECONDS_EACH" --json NUM_GPUS 1 \
     TRAIN.BATCH_SIZE "$BATCH" TEST.BATCH_SIZE $(( 2 * BATCH )) DATA.PATH "" \

@@ -52,12 +52,30 @@ def test_gpu_node_script_runs_every_phase(tmp_path):
 
 
 def test_gpu_node_script_fails_when_a_phase_fails(tmp_path):
-    env = {**os.environ, "PY": sys.executable, "CFG": "configs/missing.yaml",
-           "MODES": "O1", "COMPILE": "0", "PATH": f"{os.path.dirname(sys.executable)}:"
-           f"{os.environ['PATH']}"}  # fmt: skip
+    """Every phase runs even after one fails, and the script's status says so."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, status in (("python", 1), ("torchrun", 3)):
+        (fake / name).write_text(f"#!/bin/sh\nexit {status}\n")
+        (fake / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "PY": "python",
+           "NPROC": "1", "MODES": "O1", "COMPILE": "0"}  # fmt: skip
     run = subprocess.run(
         ["bash", "benchmarks/gpu_node.sh", str(tmp_path / "o")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert run.returncode == 1
-    assert "gpu_node: time_O1 exit 2" in run.stdout
+    assert re.findall(r"gpu_node: (\S+) exit (\d+) in", run.stdout) == [
+        ("check_node", "1"), ("time_O1", "1"), ("ladder", "3"), ("images", "1"),
+        ("train_O1", "3"),
+    ]  # fmt: skip
+
+
+def test_gpu_node_script_refuses_a_missing_config_in_one_line(tmp_path):
+    env = {**os.environ, "CFG": "configs/missing.yaml"}
+    run = subprocess.run(
+        ["bash", "benchmarks/gpu_node.sh", str(tmp_path / "o")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert run.stderr == "gpu_node: no config file configs/missing.yaml\n"
