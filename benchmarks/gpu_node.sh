@@ -12,7 +12,8 @@
 # Smaller runs (tests/integration/test_gpu_node.py runs it on a CPU this way): MODES
 # (AMP modes, "fp32 O1 O2 O3"), SECONDS_EACH (time_net's budget, 30), COMPILE (1: also
 # time O1 compiled), IMAGES (train images per class, 320), EPOCHS (3), LARGE (the
-# ladder's im256 rung's image size, 256).
+# ladder's im256 rung's image size, 256), ROUNDS and ITERS (the ladder's, 3 and 5),
+# CHECKS (check_node's, all).
 set -u
 OUT_DIR=${1:-out/bench/gpu_node}
 CFG=${CFG:-configs/vit/ViT-B-16.yaml}
@@ -23,6 +24,9 @@ COMPILE=${COMPILE:-1}
 IMAGES=${IMAGES:-320}
 EPOCHS=${EPOCHS:-3}
 LARGE=${LARGE:-256}
+ROUNDS=${ROUNDS:-3}
+ITERS=${ITERS:-5}
+CHECKS=${CHECKS:-device,amp,parallel,matmul,loader}
 PY=${PY:-python}
 if [ ! -f "$CFG" ]; then echo "gpu_node: no config file $CFG" >&2; exit 2; fi
 NPROC=${NPROC:-$($PY -c "import torch; print(max(torch.cuda.device_count(), 1))")}
@@ -41,7 +45,7 @@ phase() {  # phase NAME CMD...: one line when it starts and ends, its log in OUT
 }
 
 echo "gpu_node: $CFG, batch $BATCH per GPU, $NPROC GPU(s), $WORKERS loader threads; ~10 min"
-phase check_node $PY tools/check_node.py --cfg "$CFG"
+phase check_node $PY tools/check_node.py --cfg "$CFG" --checks "$CHECKS"
 for m in $MODES; do
   phase "time_$m" $PY tools/time_net.py --cfg "$CFG" --seconds "$SECONDS_EACH" --json NUM_GPUS 1 \
     TRAIN.BATCH_SIZE "$BATCH" TEST.BATCH_SIZE $(( 2 * BATCH )) DATA.PATH "" \
@@ -53,7 +57,8 @@ if [ "$COMPILE" = 1 ]; then
     DATA.PATH "" AMP.MODE O1 TRAIN.COMPILE block OUT_DIR "$OUT_DIR/time_O1_compile"
 fi
 phase ladder torchrun --standalone --nproc_per_node "$NPROC" -m benchmarks.ladder_dist \
-  --cfg "$CFG" --batch $(( NPROC * BATCH )) --rounds 3 --iters 5 --warmup 2 --large-size "$LARGE" \
+  --cfg "$CFG" --batch $(( NPROC * BATCH )) --rounds "$ROUNDS" --iters "$ITERS" --warmup 2 \
+  --large-size "$LARGE" \
   --json-out "$OUT_DIR/ladder.json" --plot-dir "$OUT_DIR/ladder"
 phase images $PY -c "
 from pycls_fast.datasets.formats.synthetic import make_image_folder

@@ -25,6 +25,9 @@ def test_gpu_node_script_runs_every_phase(tmp_path):
         "IMAGES": "8",
         "EPOCHS": "1",
         "LARGE": "40",
+        "ROUNDS": "1",
+        "ITERS": "1",
+        "CHECKS": "device,amp",
     }
     run = subprocess.run(
         ["bash", "benchmarks/gpu_node.sh", str(out)],
