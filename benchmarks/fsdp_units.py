@@ -7,16 +7,16 @@ One process (FSDP2 in a group of one), the ladder's batch_second (O1) and amp_o2
 rungs of --cfg at width 64 and 32 px, so that the step is the host's work (hooks,
 dispatch, collectives' bookkeeping), which is what a GPU waits on when units are many.
 Prints the first three losses of each (the wrapping changes no number) and the median
-step over interleaved rounds.
+step over interleaved rounds (benchmarks/harness.py).
 """
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed.fsdp as fsdp
 
+from benchmarks.harness import interleave
 from benchmarks.ladder_dist import rung_configs
 from pycls_fast.engine import timing
 from pycls_fast.engine.trainer import build_components, seed_everything, train_step
@@ -63,13 +63,10 @@ def main():
         losses = [round(float(train_step(parts, x, y)[0]), 6) for _ in range(3)]
         print(f"{label}: losses {losses}", flush=True)
         built[label] = (parts, x, y)
-    times = {label: [] for label in built}
-    for _ in range(args.rounds):
-        for label, (parts, x, y) in built.items():
-            start = time.perf_counter()
-            for _ in range(3):
-                train_step(parts, x, y)
-            times[label].append((time.perf_counter() - start) / 3)
+    steps = {label: (lambda b=b: train_step(*b)) for label, b in built.items()}
+    times, _ = interleave(
+        steps, torch.device("cpu"), rounds=args.rounds, iters=3, warmup=0
+    )
     base = statistics.median(times["O1"])
     for label, t in times.items():
         med = statistics.median(t)

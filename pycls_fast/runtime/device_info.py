@@ -25,10 +25,10 @@ _MIN_DRIVER = {11: 450, 12: 525, 13: 580}
 # The newest PyTorch CUDA wheel index each driver branch can run.
 _WHEEL_FOR_DRIVER = ((580, "cu130"), (525, "cu126"), (450, "cu118"))
 WHEEL_INDEX = "https://download.pytorch.org/whl/{tag}"
-# The oldest releases the suite passes with: setup.py's floors. Older ones were seen
-# to fail (docs/PERFORMANCE.md, "First measurements on a GPU"): torch 2.11's
-# PipelineStage takes no example gradients (plan_net --dry-run with PARALLEL.PP), timm
-# 1.0.30's save_for_hf no data_config (tools/export.py).
+# The releases the suite runs with (requirements.lock), kept equal to setup.py's
+# floors. Older ones were seen to fail (docs/PERFORMANCE.md, "First measurements on
+# a GPU"): torch 2.11's PipelineStage takes no example gradients (plan_net --dry-run
+# with PARALLEL.PP), timm 1.0.30's save_for_hf no data_config (tools/export.py).
 TESTED_FLOORS = {"torch": "2.14", "timm": "1.0.31"}
 
 
