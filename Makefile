@@ -12,7 +12,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 	check-node bench bench-dist bench-attention \
 	bench-loader bench-index bench-shards bench-loader-scaling \
 	bench-optimizer bench-progressive bench-infer bench-build-memory mutation \
-	bench-checkpoint bench-gpu test-kernels clean
+	bench-checkpoint bench-gpu test-kernels test-intel-mkl clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,18 @@ PARITY_TESTS := tests/unit/models tests/unit/components tests/unit/parallel \
 test-kernels: setup-dev
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q $(PARITY_TESTS)
 	ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 $(PY) -m pytest -q $(PARITY_TESTS)
+
+# The whole suite with MKL on the kernels an Intel Xeon runs (AVX-512 with bf16), on
+# any x86 CPU with AVX-512: MKL chooses its code by vendor, not by instruction set,
+# and that choice is where AMD and Intel machines' fp32 matmuls differ. The pytest
+# header says which MKL branch a run took (docs/RELIABILITY.md, "Tolerances").
+MKL_INTEL_SHIM := build/mkl_intel_path.so
+$(MKL_INTEL_SHIM): tests/cpu_kinds/mkl_intel_path.c
+	@command -v cc >/dev/null || { echo "test-intel-mkl needs a C compiler: apt-get install gcc"; exit 2; }
+	mkdir -p build
+	cc -shared -fPIC -O2 -o $@ $<
+test-intel-mkl: setup-dev lint slurm $(MKL_INTEL_SHIM)
+	LD_PRELOAD=$(CURDIR)/$(MKL_INTEL_SHIM) $(PY) -m pytest -q
 
 # Under CI=true a failed install fails the run (cluster.sh says why); elsewhere the
 # SLURM tests skip, and the summary counts them.

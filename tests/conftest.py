@@ -10,6 +10,7 @@ under CI=true a skipped SLURM test fails the run (a CI machine must start SLURM 
 """
 
 import collections
+import ctypes
 import os
 import platform
 import sys
@@ -104,9 +105,38 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+# mkl_cbwr.h's branch numbers: the kernels MKL chose for this process.
+_MKL_BRANCHES = {
+    2: "COMPATIBLE (its path on non-Intel CPUs)",
+    8: "SSE4_2",
+    9: "AVX",
+    10: "AVX2",
+    12: "AVX512",
+    14: "AVX512_E1 (Intel's path with AVX-512 VNNI/bf16)",
+    15: "AVX512_E2",
+    16: "AVX512_E3",
+    17: "AVX512_E4",
+    18: "AVX2_E1",
+    19: "AVX512_E5",
+}
+
+
+def _mkl_branch() -> str:
+    """Which kernels MKL runs the fp32 matmuls with. It chooses by vendor as well as
+    by instruction set, which is where AMD and Intel machines' sums differ; `make
+    test-intel-mkl` runs Intel's branch on another vendor's CPU."""
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        branch = ctypes.CDLL(path).mkl_serv_cbwr_get_auto_branch()
+    except (OSError, AttributeError):  # another build of torch: no MKL inside
+        return "none"
+    return _MKL_BRANCHES.get(branch, f"branch {branch}")
+
+
 def pytest_terminal_summary(terminalreporter):
     """One line per reason: how many tests skipped and why (GPU tests included);
-    then the machine the suite ran on (tolerances must hold on every CPU kind)."""
+    then the machine the suite ran on and MKL's kernels (tolerances must hold on
+    every CPU kind)."""
     skipped = terminalreporter.stats.get("skipped", [])
     if skipped:
         reasons = collections.Counter(_skip_reason(r) for r in skipped)
@@ -114,5 +144,6 @@ def pytest_terminal_summary(terminalreporter):
         for reason, count in reasons.most_common():
             terminalreporter.write_line(f"{count} skipped: {reason}")
     terminalreporter.write_line(
-        f"ran on: {_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}"
+        f"ran on: {_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__},"
+        f" MKL {_mkl_branch()}"
     )
