@@ -10,7 +10,6 @@ under CI=true a skipped SLURM test fails the run (a CI machine must start SLURM 
 """
 
 import collections
-import ctypes
 import os
 import platform
 import sys
@@ -25,6 +24,7 @@ import torch  # noqa: E402
 
 from pycls_fast import config  # noqa: E402
 from pycls_fast.datasets.formats.digits import build_digits_folder  # noqa: E402
+from tests.helpers import MKL_BRANCHES, mkl_branch  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -105,32 +105,12 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-# mkl_cbwr.h's branch numbers: the kernels MKL chose for this process.
-_MKL_BRANCHES = {
-    2: "COMPATIBLE (its path on non-Intel CPUs)",
-    8: "SSE4_2",
-    9: "AVX",
-    10: "AVX2",
-    12: "AVX512",
-    14: "AVX512_E1 (Intel's path with AVX-512 VNNI/bf16)",
-    15: "AVX512_E2",
-    16: "AVX512_E3",
-    17: "AVX512_E4",
-    18: "AVX2_E1",
-    19: "AVX512_E5",
-}
-
-
-def _mkl_branch() -> str:
-    """Which kernels MKL runs the fp32 matmuls with. It chooses by vendor as well as
-    by instruction set, which is where AMD and Intel machines' sums differ; `make
-    test-intel-mkl` runs Intel's branch on another vendor's CPU."""
-    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    try:
-        branch = ctypes.CDLL(path).mkl_serv_cbwr_get_auto_branch()
-    except (OSError, AttributeError):  # another build of torch: no MKL inside
+def _mkl_description() -> str:
+    """MKL's branch for this process, named (tests.helpers.mkl_branch)."""
+    branch = mkl_branch()
+    if branch is None:
         return "none"
-    return _MKL_BRANCHES.get(branch, f"branch {branch}")
+    return MKL_BRANCHES.get(branch, f"branch {branch}")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -145,5 +125,5 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{count} skipped: {reason}")
     terminalreporter.write_line(
         f"ran on: {_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__},"
-        f" MKL {_mkl_branch()}"
+        f" MKL {_mkl_description()}"
     )

@@ -1,7 +1,9 @@
-"""Shared test helpers: the repository root, tiny configs, running a tool."""
+"""Shared test helpers: the repository root, tiny configs, running a tool, MKL's
+kernel branch."""
 
 import ast
 import contextlib
+import ctypes
 import glob
 import os
 import re
@@ -28,6 +30,35 @@ TINY = [
     "MODEL.NUM_CLASSES", "10",
     "LN.EPS", "1e-6",
 ]  # fmt: skip
+
+# mkl_cbwr.h's branch numbers: the kernels MKL chose for this process.
+MKL_BRANCHES = {
+    2: "COMPATIBLE (its path on non-Intel CPUs)",
+    8: "SSE4_2",
+    9: "AVX",
+    10: "AVX2",
+    12: "AVX512",
+    14: "AVX512_E1 (Intel's path with AVX-512 VNNI/bf16)",
+    15: "AVX512_E2",
+    16: "AVX512_E3",
+    17: "AVX512_E4",
+    18: "AVX2_E1",
+    19: "AVX512_E5",
+}
+MKL_COMPATIBLE = 2
+MKL_AVX512_BRANCHES = {12, 14, 15, 16, 17, 19}
+
+
+def mkl_branch() -> int | None:
+    """MKL's kernel branch for this process (a key of MKL_BRANCHES), or None for a
+    torch build without MKL inside. MKL chooses by vendor as well as by instruction
+    set, which is where AMD and Intel machines' fp32 sums differ; `make
+    test-intel-mkl` runs Intel's branch on another vendor's CPU."""
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        return int(ctypes.CDLL(path).mkl_serv_cbwr_get_auto_branch())
+    except (OSError, AttributeError):  # another build of torch: no MKL inside
+        return None
 
 
 def tiny_cfg(*opts: str):

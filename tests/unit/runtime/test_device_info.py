@@ -1,6 +1,9 @@
 """Device checks: LOCAL_RANK against the visible GPUs, GPUs asked for but unusable,
 the device line of the start-up log. CUDA is faked by monkeypatching torch.cuda."""
 
+import ast
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,7 +11,7 @@ import torch.distributed as dist
 from pycls_fast.errors import ConfigError, DeviceError
 from pycls_fast.launch import processes as launch
 from pycls_fast.runtime import device_info, distributed
-from tests.helpers import tiny_cfg
+from tests.helpers import ROOT, tiny_cfg
 
 
 def _fake_cuda(monkeypatch, count):
@@ -147,3 +150,21 @@ def test_the_outdated_warning_names_the_fix(monkeypatch):
         "torch 2.11.0, older than 2.14 (the oldest releases this project is tested "
         "with): pip install 'torch>=2.14' 'timm>=1.0.31'"
     )
+
+
+def test_setup_py_requires_the_tested_floors():
+    """setup.py's install_requires floors are the versions the warning names: a pip
+    install never resolves to a torch or timm the start-up line would call outdated."""
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        tree = ast.parse(f.read())
+    requires = next(
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.keyword) and node.arg == "install_requires"
+    )
+    floors = {}
+    for item in ast.literal_eval(requires):
+        name, _, rest = item.partition(">=")
+        floors[name] = rest.split(",")[0]
+    tested = device_info.TESTED_FLOORS
+    assert {name: floors[name] for name in tested} == tested
