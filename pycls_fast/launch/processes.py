@@ -32,6 +32,7 @@ from pycls_fast.errors import (
 from pycls_fast.runtime import preemption
 from pycls_fast.runtime.device_info import check_gpus_usable
 from pycls_fast.runtime.distributed import (
+    barrier,
     destroy_process_group,
     device,
     is_main,
@@ -201,8 +202,18 @@ def launch(fn: Callable[[CfgNode], Any], cfg: CfgNode) -> Any:
 def _run_in_group(fn, cfg, init):
     """fn(cfg) inside a process group; its result on rank 0, None on the others."""
     init(cfg)
+    # Every rank waits for the others before leaving the group: a rank that leaves
+    # first may take the store with it (a spawned run's TCPStore lives in rank 0's
+    # process), and a rank still setting up a group of its own (new_group waits for
+    # no one outside the group) then fails with a broken pipe after the work is done.
+    # A Stopped run stopped every rank at the same iteration, so it waits too.
     try:
-        out = fn(cfg)
+        try:
+            out = fn(cfg)
+        except Stopped:
+            barrier()
+            raise
+        barrier()
         return out if is_main() else None
     finally:
         destroy_process_group()

@@ -327,6 +327,24 @@ def test_mismatched_configs_across_ranks_are_refused():
     assert e.value.exit_code == 2
 
 
+def _rank_1_groups_last(cfg):
+    import torch.distributed as dist
+
+    if distributed.rank() == 1:
+        time.sleep(2)  # rank 0 is done by now
+    # new_group waits for no one outside the group: rank 0 returns at once, while
+    # rank 1 still needs the store (held by rank 0's process) to set up its group.
+    dist.new_group(ranks=[1])
+    return distributed.rank()
+
+
+def test_the_first_rank_to_finish_waits_for_the_others():
+    cfg = load_cfg(None, [*TINY, "NUM_GPUS", "2", "TRAIN.BATCH_SIZE", "16"])
+    # Rank 0 ending early took the store with it: rank 1 failed with a broken pipe
+    # after the work was done, and the launcher reported a failed run.
+    assert launch.launch(_rank_1_groups_last, cfg) == 0
+
+
 def test_the_launchers_world_size_wins_over_num_gpus(caplog):
     cfg = load_cfg(None, [*TINY, "NUM_GPUS", "4", "TRAIN.BATCH_SIZE", "16"])
     with caplog.at_level("WARNING"):
