@@ -31,8 +31,9 @@ $(DEV_STAMP): $(STAMP) requirements.lock
 # Everything (what CI runs): lint, then unit and integration tests. SLURM (for the
 # cluster tests, tests/slurm/cluster.sh) is installed when missing and this is root
 # with apt-get; otherwise those tests skip and say why (under CI=true they fail).
+# The summary lists the 15 slowest tests: the suite's budget is about 25 minutes.
 test: setup-dev lint slurm
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # In-process tests only (about a minute): tests/unit.
 test-unit: setup-dev
@@ -63,7 +64,7 @@ $(MKL_INTEL_SHIM): tests/cpu_kinds/mkl_intel_path.c
 	mkdir -p build
 	cc -shared -fPIC -O2 -o $@ $<
 test-intel-mkl: setup-dev lint slurm $(MKL_INTEL_SHIM)
-	LD_PRELOAD=$(CURDIR)/$(MKL_INTEL_SHIM) $(PY) -m pytest -q
+	LD_PRELOAD=$(CURDIR)/$(MKL_INTEL_SHIM) $(PY) -m pytest -q --durations=15
 
 # Under CI=true a failed install fails the run (cluster.sh says why); elsewhere the
 # SLURM tests skip, and the summary counts them.
