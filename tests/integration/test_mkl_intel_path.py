@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import MKL_AVX512_BRANCHES, MKL_COMPATIBLE, ROOT
+from tests.helpers import MKL_AVX512_BRANCHES, MKL_COMPATIBLE, ROOT, one_thread_env
 
 SHIM_SOURCE = os.path.join(ROOT, "tests/cpu_kinds/mkl_intel_path.c")
 
@@ -36,7 +36,7 @@ def _cpu_info() -> str:
 
 
 def _probe(preload: str | None) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = one_thread_env()
     env.pop("LD_PRELOAD", None)
     if preload:
         env["LD_PRELOAD"] = preload
