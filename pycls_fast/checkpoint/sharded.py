@@ -84,8 +84,29 @@ def _optim_options(saved):
     return StateDictOptions() if grouped else _FLAT
 
 
+def _full_metadata(path):
+    return dcp.FileSystemReader(path).read_metadata()
+
+
 def _read_metadata(path):
-    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return _full_metadata(path).state_dict_metadata
+
+
+class _KnownMetadataReader(dcp.FileSystemReader):
+    """A FileSystemReader of a checkpoint whose `.metadata` was read already: DCP
+    asks for it at every `dcp.load`, and a reader of one tensor at a time would
+    read and unpickle the whole index (hundreds of MB for ViT-22B on 512 ranks)
+    once per tensor."""
+
+    def __init__(self, path: str, metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        if kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
 
 def state_to_save(
@@ -220,7 +241,8 @@ def load(
     """Loads a sharded checkpoint into the (sharded) model, optimizer and EMA of
     every rank; returns (meta, rank_state), rank_state None when the checkpoint was
     written at another world size (the RNG streams of the ranks then start afresh)."""
-    saved = _read_metadata(path)
+    reader = _KnownMetadataReader(path, _full_metadata(path))
+    saved = reader.read_metadata().state_dict_metadata
     tp = tp_size(model)
     # `state` holds the tensors DCP loads into (q/k/v pieces of tensor-parallel
     # parameters as views of their local tensors), `whole` the state dicts to set.
@@ -231,12 +253,13 @@ def load(
     if ema is not None and any(k.startswith("ema.") for k in saved):
         whole["ema"] = get_model_state_dict(ema)
     state = {k: to_checkpoint(v, tp) for k, v in whole.items()}
-    meta = read_meta(path, no_dist=not dist.is_initialized())
+    no_dist = not dist.is_initialized()
+    meta = read_meta(path, no_dist=no_dist, reader=reader)
     rank_key = f"rank_{distributed.rank()}"
     same_world = meta.get("world_size") == distributed.world_size()
     if same_world and f"extra.{rank_key}" in saved:
         state["extra"] = {rank_key: io.BytesIO()}
-    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    dcp.load(state, storage_reader=reader, no_dist=no_dist)
     set_model_state_dict(model, whole["model"])
     set_optimizer_state_dict(model, optimizer, whole["optim"], options=options)
     if "ema" in whole:
@@ -245,11 +268,14 @@ def load(
     return meta, _unblob(own, path) if own is not None else None
 
 
-def read_meta(path: str, no_dist: bool = True) -> dict[str, Any]:
+def read_meta(path: str, no_dist: bool = True, reader=None) -> dict[str, Any]:
     """The `meta` of a sharded checkpoint (by default read by this process alone,
-    with no process group needed)."""
+    with no process group needed). `reader`: a DCP storage reader of `path`."""
     state = {"extra": {"meta": io.BytesIO()}}
-    dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+    if reader is None:
+        dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+    else:
+        dcp.load(state, storage_reader=reader, no_dist=no_dist)
     return _unblob(state["extra"]["meta"], path)
 
 
@@ -257,14 +283,17 @@ class CheckpointTensors(Mapping):
     """The full tensors of the state `key` ('model' or 'ema') of a sharded
     checkpoint, each read from disk when asked for (CPU, its saved dtype): a
     reader holds one tensor at a time, never the whole model. One process, no
-    process group needed."""
+    process group needed. The checkpoint's `.metadata` is read once, here."""
 
-    def __init__(self, path: str, key: str = "model") -> None:
+    def __init__(self, path: str, key: str = "model", reader=None) -> None:
+        """`reader`: another CheckpointTensors' `reader` of `path` (its index)."""
         prefix = key + "."
         self.path, self.key = path, key
+        self.reader = reader or _KnownMetadataReader(path, _full_metadata(path))
+        metadata = self.reader.read_metadata()
         self._entries = {
             name[len(prefix) :]: e
-            for name, e in _read_metadata(path).items()
+            for name, e in metadata.state_dict_metadata.items()
             if name.startswith(prefix) and hasattr(e, "size")
         }
 
@@ -275,8 +304,13 @@ class CheckpointTensors(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         e = self._entries[name]
         t = torch.empty(tuple(e.size), dtype=e.properties.dtype)
-        dcp.load({self.key: {name: t}}, checkpoint_id=self.path, no_dist=True)
+        dcp.load({self.key: {name: t}}, storage_reader=self.reader, no_dist=True)
         return t
+
+    def meta(self) -> dict[str, Any]:
+        """The checkpoint's `meta` (as `read_meta`), without reading `.metadata`
+        again."""
+        return read_meta(self.path, reader=self.reader)
 
     def __contains__(self, name) -> bool:
         return name in self._entries  # without reading it (Mapping's would)

@@ -156,9 +156,10 @@ def _read(path: str, use_ema: bool):
     maps names to full tensors that are read when taken (a sharded checkpoint's
     one by one, a file's memory-mapped), not all at once."""
     if is_sharded(path):
-        ema = CheckpointTensors(path, "ema") if use_ema else {}
-        state = ema or CheckpointTensors(path)
-        return state, bool(ema), read_meta(path), ""
+        # The checkpoint's index is read once, not once per tensor.
+        model = CheckpointTensors(path)
+        ema = CheckpointTensors(path, "ema", model.reader) if use_ema else {}
+        return ema or model, bool(ema), model.meta(), ""
     checkpoint = load_checkpoint(path, mmap=True)
     meta = checkpoint if isinstance(checkpoint, dict) else {}
     if use_ema and "ema_state" in checkpoint:

@@ -75,6 +75,52 @@ def test_a_consolidated_sharded_checkpoint_holds_its_weights_and_meta(tmp_path):
         assert torch.equal(state["ema_state"][key], value), key
 
 
+def _metadata_reads(monkeypatch) -> list[str]:
+    """The `.metadata` files DCP opens from now on (every read of the index)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    opened, real = [], FileSystem.create_stream
+
+    def counting(self, path, mode):
+        if str(path).endswith(".metadata"):
+            opened.append(str(path))
+        return real(self, path, mode)
+
+    monkeypatch.setattr(FileSystem, "create_stream", counting)
+    return opened
+
+
+@pytest.mark.parametrize("use_ema", [False, True])
+def test_loading_weights_from_a_sharded_checkpoint_reads_its_index_once(
+    tmp_path, monkeypatch, use_ema
+):
+    """TEST.WEIGHTS / TRAIN.WEIGHTS from a sharded checkpoint: one full tensor at a
+    time, but the `.metadata` index (hundreds of MB for ViT-22B on 512 ranks) read
+    once per load, whatever the number of tensors, not once per tensor."""
+    from pycls_fast.checkpoint.weights import load_model_weights
+
+    reads = {}
+    for layers in (1, 4):
+        cfg = tiny_cfg("VIT.NUM_LAYERS", str(layers))
+        torch.manual_seed(layers)
+        model, ema = build_model(cfg), build_model(cfg)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        path = str(tmp_path / f"layers{layers}" / "model_epoch_0002.dcp")
+        meta = {"epoch": 2, "iter": 0, "cfg": ""}
+        sharded.save(path, model, optimizer, ema, meta, {})
+        fresh = build_model(cfg)
+        opened = _metadata_reads(monkeypatch)
+        loaded = load_model_weights(fresh, path, use_ema=use_ema)
+        reads[layers] = len(opened)
+        monkeypatch.undo()
+        want = (ema if use_ema else model).state_dict()
+        assert len(want) > 10 * layers  # many tensors, each read on its own
+        for key, value in fresh.state_dict().items():
+            assert torch.equal(value, want[key]), key
+        assert (loaded.epoch, loaded.ema) == (2, use_ema)
+    assert reads == {1: 1, 4: 1}
+
+
 @pytest.mark.parametrize("mmap", [False, True])
 def test_a_checkpoint_holding_code_is_refused_naming_what_it_holds(tmp_path, mmap):
     weights = {"w": torch.arange(6.0).reshape(2, 3)}
