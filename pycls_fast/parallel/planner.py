@@ -15,9 +15,12 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
   per rank when interleaved); FSDP then keeps one
   dim-0 chunk of each tensor per data-parallel rank (the largest chunk, rank 0's);
 - under FSDP, the weights gathered for computing (the block running and the one
-  prefetched, in the compute dtype) and one block's unsharded gradients; in a
-  pipeline, the whole stage's weights and gradients unsharded (torch's PipelineStage
-  gathers an FSDP stage once for all its micro-batches and reduces after the last);
+  prefetched, in the compute dtype) and one block's unsharded gradients; with
+  TRAIN.ACCUM_STEPS > 1, the whole (TP-local) model's gradients unsharded between
+  micro-batches (FSDP2 accumulates them unreduced while gradient sync is off), in
+  the reduce dtype, counted in `grads`; in a pipeline, the whole stage's weights
+  and gradients unsharded (torch's PipelineStage gathers an FSDP stage once for
+  all its micro-batches and reduces after the last);
 - under AMP O1, autocast's cache of the half-precision casts of the Linear and
   Conv2d weights, held until the autocast context ends (the forward; a pipeline's
   whole step): a half copy of the rank's TP-local stage weights, FSDP or not
@@ -35,9 +38,10 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
   (2*s*h in the compute dtype, not divided by t); with activation
   checkpointing each block keeps its input (s*h in the residual stream's dtype:
   fp32 under fp32 and O1, half under O2 / O3; /t with sequence parallelism) and
-  one block's activations live at a time. A pipeline's first stage keeps the
-  activations of PP micro-batches in flight under 1F1B (of all of them under GPipe;
-  1 + (PP-1)/(2*PP) times PP under interleaved 1F1B with 2 stages per rank).
+  one block's activations live at a time. A pipeline rank r keeps the
+  activations of PP - r micro-batches in flight under 1F1B (of all of them under
+  GPipe; under interleaved 1F1B its warm-up's forwards plus one, each through one
+  of its stages: `interleaved_in_flight`, 1 + (PP-1)/(2*PP) times PP on the first).
 
 The predicted step speed, as a fraction of the GPUs' ASSUMED_FLOPS, multiplies:
 - the matmul size: t / (t + HALF_TOKENS) for t tokens per forward call (a
@@ -296,6 +300,14 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
             out["gathered"] = int(stage_numel * 2 * compute_b)
         else:
             out["gathered"] = int(block_numel * (2 * compute_b + 4))
+            if cfg.TRAIN.ACCUM_STEPS > 1:
+                # Between micro-batches the gradient reduction is off
+                # (set_requires_gradient_sync(False)): FSDP2 keeps every
+                # parameter's gradient unsharded, the rank's whole (TP-local)
+                # model, in the reduce dtype (fp32 under O1 and O2, half under
+                # O3), until the last micro-batch reduce-scatters it.
+                accum_b = half_b if mode is AmpMode.O3 else 4
+                out["grads"] += int(stage_numel * accum_b)
     # O1's half-precision copies of the Linear / Conv2d weights: without FSDP
     # autocast's cache keeps them to the end of the forward (a pipeline's whole
     # step), a half copy of the rank's TP-local weights; under FSDP the cache is
@@ -318,7 +330,7 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
         elif schedule == "1f1b":
             in_flight = min(m, c.pp - rank)
         else:
-            in_flight = min(m, (c.pp - rank) * (1 + (c.pp - 1) / (2 * c.pp)))
+            in_flight = interleaved_in_flight(c.pp, len(stages), m, rank)
         images = micro * in_flight
     out["activations"] = activation_bytes(cfg, images, c.checkpoint, c.tp, layers)
     if mode is AmpMode.O1 and c.pp > 1 and not c.fsdp:
@@ -334,6 +346,20 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
         out["autocast"] += int(max(0, out["autocast"] - one_micro))
     out["total"] = sum(out.values())
     return out
+
+
+def interleaved_in_flight(pp: int, v: int, m: int, rank: int) -> float:
+    """The micro-batches whose activations pipeline rank `rank` keeps at its peak
+    under torch's interleaved 1F1B (`v` stages per rank, `m` micro-batches), in
+    units of one micro-batch through all the rank's stages: the forwards of its
+    warm-up (torch/distributed/pipelining/schedules.py `_get_warmup_ops`: rounds
+    of min(m, PP) micro-batches, (v - 1) rounds plus 2 per rank before the last),
+    plus the first steady-state forward, each through one of its v stages."""
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), v * m)
+    chunks = warmup + (1 if warmup < v * m else 0)
+    return chunks / v
 
 
 def predicted_speed(cfg: CfgNode, c: Candidate) -> float:
@@ -456,7 +482,9 @@ def format_plan(
     if best is None:
         lines.append(
             "  plan: none fits: more GPUs, or fewer images per step (TRAIN.ACCUM_STEPS,"
-            " PARALLEL.PP_MICROBATCHES, TRAIN.BATCH_SIZE)"
+            " PARALLEL.PP_MICROBATCHES, TRAIN.BATCH_SIZE); under FSDP,"
+            " TRAIN.ACCUM_STEPS keeps the whole gradients unsharded between"
+            " micro-batches (counted above)"
         )
     else:
         c = best.layout

@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from pycls_fast.errors import UserError
+from pycls_fast.models import build_model
 from pycls_fast.parallel.planner import (
     GIB,
     HALF_TOKENS,
     Candidate,
     auto_layout,
     candidates,
+    interleaved_in_flight,
     per_rank_memory,
     plan,
     predicted_speed,
@@ -64,6 +66,64 @@ def test_tensor_and_pipeline_parallelism_split_the_blocks():
     # 1F1B keeps at most PP micro-batches in flight: more of them, less memory.
     more = per_rank_memory(cfg, Candidate(pp=2, micro=8))
     assert more["activations"] < pp["activations"]
+
+
+@pytest.mark.parametrize("mode", ["O1", "O3"])
+def test_fsdp_accumulation_keeps_the_whole_gradients_unsharded(mode):
+    """FSDP2 with gradient sync off between micro-batches keeps each parameter's
+    whole gradient (in the reduce dtype: fp32 under O1, bf16 under O3) until the
+    last micro-batch: the rank's whole model, not 1/DP of it. DDP's gradients are
+    whole anyway."""
+    opts = ["TRAIN.BATCH_SIZE", "64", "AMP.MODE", mode, "TRAIN.MIXED_PRECISION",
+            "False"]  # fmt: skip
+    one, four = tiny_cfg(*opts), tiny_cfg(*opts, "TRAIN.ACCUM_STEPS", "4")
+    numel = sum(p.numel() for p in build_model(one).parameters())
+    grad_b = 4 if mode == "O1" else 2
+    fsdp = Candidate(dp=8, fsdp=True)
+    a, b = per_rank_memory(one, fsdp), per_rank_memory(four, fsdp)
+    assert b["grads"] - a["grads"] == numel * grad_b
+    assert b["activations"] * 4 == a["activations"]
+    ddp = Candidate(dp=8)
+    assert per_rank_memory(four, ddp)["grads"] == per_rank_memory(one, ddp)["grads"]
+
+
+def _torch_interleaved_peak(pp: int, v: int, m: int, rank: int) -> float:
+    """The most forward chunks pipeline rank `rank` holds un-backwarded in torch's
+    own Interleaved1F1B order (its rank ops), in micro-batches through all of the
+    rank's `v` stages."""
+    from torch.distributed.pipelining import schedules as s
+
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    warmup = s._get_warmup_ops(rank, v, per_round, pp, m, multiply_factor=2)
+    steady = v * m - warmup
+
+    def forward_stage(step):
+        return ((step // per_round) % v) * pp + rank
+
+    def backward_stage(step):
+        return (v - 1 - ((step - warmup) // per_round) % v) * pp + rank
+
+    ops = s._get_1f1b_rank_ops(
+        v, pp, warmup, steady, v * m - steady, rank, forward_stage, backward_stage
+    )
+    live = peak = 0
+    for op in filter(None, ops):
+        name = op.computation_type.name
+        live += 1 if name == "FORWARD" else -1 if "BACKWARD" in name else 0
+        peak = max(peak, live)
+    return peak / v
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_interleaved_in_flight_is_what_torchs_schedule_keeps(pp):
+    """Every pipeline rank, not only the first: the later ranks' warm-up is shorter
+    by 2 chunks a rank, not by a whole round (1.5 micro-batches on the last of 2
+    ranks, not 1.25)."""
+    for m in (pp, 2 * pp, 4 * pp):
+        for rank in range(pp):
+            want = _torch_interleaved_peak(pp, 2, m, rank)
+            assert interleaved_in_flight(pp, 2, m, rank) == want, (m, rank)
 
 
 def test_candidates_respect_what_the_config_checks():
