@@ -9,7 +9,10 @@ losses within --tolerance, relative); DDP against FSDP on all local devices (two
 processes on a CPU); all-reduce bus bandwidth (NCCL on GPUs, gloo on CPUs); the matmul
 peak per dtype; the loader's images/s against what the training step of --cfg asks
 for (one rank's step: its share of the global batch, TP and PP folded into one
-process, FSDP in a one-process group). Each line ends in `ok`, `warning` (with the
+process, FSDP in a one-process group). A folded rank that would not fit this device
+(--memory-gib; the planner's per-rank memory) is timed with fewer encoder blocks and
+its step time scaled up by the blocks, said in the line; one that does not fit with a
+single block is refused in one line. Each line ends in `ok`, `warning` (with the
 fix) or `skipped` (with why). With --json the last line is one JSON object:
 {"rows": [{check, result, verdict, fix}]}.
 """
@@ -31,6 +34,7 @@ from pycls_fast.engine.trainer import build_components, seed_everything, train_s
 from pycls_fast.errors import UserError
 from pycls_fast.launch.cli import run
 from pycls_fast.launch.processes import launch
+from pycls_fast.parallel.planner import device_gib, fit_in_one_process
 from pycls_fast.runtime import distributed
 from pycls_fast.runtime.device_info import (
     cuda_unusable_reason,
@@ -186,17 +190,32 @@ def _loader_rates(cfg, steps):
     return batch / train["step_s"], rate, on
 
 
-def check_loader(cfg, cfg_file, steps):
+def check_loader(cfg, cfg_file, steps, memory_gib=None):
     """One rank's loader images/s against its training step's demand (this config,
-    at its per-rank batch; FSDP configs in a one-process group, via launch)."""
+    at its per-rank batch; FSDP configs in a one-process group, via launch). The
+    folded rank is trimmed to the encoder blocks that fit `memory_gib` (default:
+    this device's memory), its step time scaled back up by the blocks."""
     rank_cfg = one_rank_cfg(cfg)
-    demand, rate, on = launch(functools.partial(_loader_rates, steps=steps), rank_cfg)
+    if memory_gib is None:
+        memory_gib = device_gib(distributed.device(), 1)
+    timed, layers = fit_in_one_process(rank_cfg, memory_gib)
+    demand, rate, on = launch(functools.partial(_loader_rates, steps=steps), timed)
+    scaled = ""
+    if layers > timed.VIT.NUM_LAYERS:
+        # The blocks are the step: a whole rank's step takes about layers / n
+        # times as long, and asks for that much fewer images per second.
+        demand *= timed.VIT.NUM_LAYERS / layers
+        scaled = (
+            f" (timed at {timed.VIT.NUM_LAYERS} of {layers} blocks: the rank does "
+            f"not fit {memory_gib:.0f} GiB folded into one process; step time "
+            f"scaled by {layers}/{timed.VIT.NUM_LAYERS})"
+        )
     ok = rate >= 1.2 * demand
     return [
         _row(
             f"loader vs step demand ({os.path.basename(cfg_file)}, "
             f"{rank_cfg.TRAIN.BATCH_SIZE} images per rank)",
-            f"{rate:.0f} img/s on {on} vs {demand:.0f} img/s demand",
+            f"{rate:.0f} img/s on {on} vs {demand:.0f} img/s demand{scaled}",
             "ok" if ok else "warning",
             ""
             if ok
@@ -220,6 +239,12 @@ def main():
     parser.add_argument("--tolerance", type=float, default=0.05)
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="the memory one device gives the --cfg rank (default: this device's)",
+    )
+    parser.add_argument(
         "--checks",
         default=",".join(CHECKS),
         help=f"the checks to run, of {','.join(CHECKS)} (default: all)",
@@ -230,6 +255,8 @@ def main():
     args = parser.parse_intermixed_args()
     if args.steps < 1:
         raise UserError("--steps must be >= 1")
+    if args.memory_gib is not None and args.memory_gib <= 0:
+        raise UserError("--memory-gib must be positive")
     chosen = [c for c in args.checks.split(",") if c]
     unknown = [c for c in chosen if c not in CHECKS]
     if unknown:
@@ -256,7 +283,7 @@ def main():
     if "matmul" in chosen:
         rows += check_matmul(device)
     if "loader" in chosen:
-        rows += check_loader(cfg, args.cfg_file, args.steps)
+        rows += check_loader(cfg, args.cfg_file, args.steps, args.memory_gib)
     if device.type == "cpu" and "device" in chosen:
         rows.append(_row("GPU checks", "no GPU: NCCL, TF32, GPU memory", "skipped"))
     print_table(rows)

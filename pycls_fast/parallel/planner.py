@@ -496,6 +496,36 @@ def format_plan(
     return "\n".join(lines)
 
 
+def fit_in_one_process(cfg: CfgNode, gib: float) -> tuple[CfgNode, int]:
+    """`cfg` run as one process (no TP or PP split; FSDP, if on, over one rank)
+    trimmed to fit in HEADROOM of `gib` GiB: (cfg with the most encoder blocks that
+    fit, the config's own block count). The step per block is what a rank of the
+    real layout runs per block, so its time scales with the blocks. UserError
+    naming the memory when not even one block fits."""
+    layers = cfg.VIT.NUM_LAYERS
+    one = Candidate(fsdp=cfg.FSDP.ENABLED, checkpoint=cfg.FSDP.ACTIVATION_CHECKPOINT)
+
+    def need(n: int) -> int:
+        return per_rank_memory(with_overrides(cfg, {"VIT.NUM_LAYERS": n}), one)["total"]
+
+    limit = HEADROOM * gib * GIB
+    if need(layers) <= limit:
+        return cfg, layers
+    lo, hi = 0, layers  # need(lo) fits (0: none), need(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
+    if lo == 0:
+        raise UserError(
+            f"one rank of this config as one process needs "
+            f"{need(1) / GIB:.1f} GiB with a single block "
+            f"({cfg.TRAIN.BATCH_SIZE} images), more than {HEADROOM:.0%} of the "
+            f"{gib:.1f} GiB here: a smaller TRAIN.BATCH_SIZE, or "
+            "FSDP.ACTIVATION_CHECKPOINT True"
+        )
+    return with_overrides(cfg, {"VIT.NUM_LAYERS": lo}), layers
+
+
 def device_gib(device: torch.device, local_ranks: int) -> float:
     """Memory one rank may use on `device`: the GPU's, or on CPU this machine's
     memory shared by its `local_ranks` processes."""

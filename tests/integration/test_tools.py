@@ -215,9 +215,13 @@ def test_check_node_times_one_rank_of_a_sharded_config():
     # TP 4), shrunk: one rank's step at its share of the global batch (1024 / 64
     # data-parallel ranks), in a one-process group. It crashed before (no process
     # group for FSDP; the TP / PP mesh of one process) and timed the global batch.
+    # Folded into one process, a rank of the real ViT-22B needs ~87 GB for its
+    # fp32 weights alone: the fold is checked against the planner's memory and
+    # trimmed to the blocks that fit (--memory-gib 0.003: 1 of these 2 blocks).
     result = run_tool(
         "check_node.py", "--cfg", "configs/vit/ViT-22B-14.yaml", "--checks", "loader",
-        "--steps", "1", "--json", "PARALLEL.TP", "4", "PARALLEL.PP", "2",
+        "--steps", "1", "--json", "--memory-gib", "0.003",
+        "PARALLEL.TP", "4", "PARALLEL.PP", "2",
         "TRAIN.IM_SIZE", "32", "TEST.IM_SIZE", "32", "VIT.PATCH_SIZE", "8",
         "VIT.HIDDEN_DIM", "48", "VIT.NUM_HEADS", "4", "VIT.MLP_DIM", "96",
         "VIT.NUM_LAYERS", "2",
@@ -228,6 +232,7 @@ def test_check_node_times_one_rank_of_a_sharded_config():
         "loader vs step demand (ViT-22B-14.yaml, 16 images per rank)"
     ]
     assert rows[0]["verdict"] in ("ok", "warning")
+    assert "(timed at 1 of 2 blocks: the rank does not fit" in rows[0]["result"]
 
 
 def test_check_node_on_cpu_reports_every_check():

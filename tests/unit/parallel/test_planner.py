@@ -5,6 +5,7 @@ PARALLEL.AUTO's config."""
 import pytest
 import torch
 
+from pycls_fast.config import load_cfg, with_overrides
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
 from pycls_fast.parallel.planner import (
@@ -13,6 +14,7 @@ from pycls_fast.parallel.planner import (
     Candidate,
     auto_layout,
     candidates,
+    fit_in_one_process,
     interleaved_in_flight,
     per_rank_memory,
     plan,
@@ -124,6 +126,31 @@ def test_interleaved_in_flight_is_what_torchs_schedule_keeps(pp):
         for rank in range(pp):
             want = _torch_interleaved_peak(pp, 2, m, rank)
             assert interleaved_in_flight(pp, 2, m, rank) == want, (m, rank)
+
+
+def test_one_rank_folded_into_one_process_is_trimmed_to_what_fits():
+    """tools/check_node.py times one rank of ViT-22B-14.yaml (TP 8 over 512 GPUs:
+    16 images per rank) with TP and PP folded into one process: the whole model,
+    ~87 GB of fp32 weights alone. On an 80 GiB GPU it is timed with the blocks
+    that fit (and one more would not); a device too small for one block is
+    refused in one line."""
+    cfg = load_cfg(
+        "configs/vit/ViT-22B-14.yaml",
+        ["NUM_GPUS", "1", "PARALLEL.TP", "1", "TRAIN.BATCH_SIZE", "16"],
+    )
+    whole = per_rank_memory(cfg, Candidate(fsdp=True))
+    assert whole["params"] > 80 * GIB
+    fitted, layers = fit_in_one_process(cfg, 80)
+    n = fitted.VIT.NUM_LAYERS
+    assert layers == 48 and 1 <= n < 48
+    assert per_rank_memory(fitted, Candidate(fsdp=True))["total"] <= 0.9 * 80 * GIB
+    more = with_overrides(cfg, {"VIT.NUM_LAYERS": n + 1})
+    assert per_rank_memory(more, Candidate(fsdp=True))["total"] > 0.9 * 80 * GIB
+    small = tiny_cfg("TRAIN.BATCH_SIZE", "16")
+    assert fit_in_one_process(small, 80) == (small, 2)  # fits: unchanged
+    with pytest.raises(UserError, match="with a single block") as e:
+        fit_in_one_process(cfg, 4)
+    assert "\n" not in str(e.value)
 
 
 def test_candidates_respect_what_the_config_checks():
