@@ -1011,6 +1011,12 @@ _C.DIST = CfgNode()
 # (a rank that died or hangs never stalls the others for longer)
 _key("DIST.TIMEOUT_S", 600, gt=0)
 
+# Seconds the ranks wait for each other around the downloads of a remote OUT_DIR
+# (its files before the run; the checkpoint files each node reads at the resume): a
+# wait of its own, not DIST.TIMEOUT_S, since a node's share of a large checkpoint
+# may take longer to arrive than a collective should ever wait
+_key("DIST.PULL_TIMEOUT_S", 7200, gt=0)
+
 
 # ----------------------------------- Misc options ----------------------------------- #
 # Optional description of a config

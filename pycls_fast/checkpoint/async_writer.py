@@ -89,6 +89,9 @@ class FileWrite:
     ) -> None:
         self.path: str | None = None
         self.error: BaseException | None = None
+        # Whether the rank that wrote it has done its own part of completing it
+        # (retention, upload) already, before the collective completion.
+        self.completed = False
         self._staged = threading.Event()
         self._thread = None
         if write_fn is None:

@@ -14,8 +14,17 @@ under DDP), or under FSDP a sharded directory that every rank writes its part of
 (sharded.py). With TRAIN.CHECKPOINT_ASYNC the write runs beside training
 (async_writer.py): a save waits for the previous one, stages the state to host
 memory and returns; retention and the upload of a remote OUT_DIR follow the write
-once it is complete (files: seen after any step; sharded: at the next save, the end
-of an epoch or `close()`).
+once it is complete (files: rank 0's part seen after any step; sharded: at the next
+save, the end of an epoch or `close()`). Every rank keeps the write in flight, rank
+0's thread or the others' empty one, until the next save, the end of an epoch with a
+sharded one, a keep-best evaluation, a stop or `close()` completes it on all ranks
+together: so every rank runs the same collectives there.
+
+Where: every rank resumes from the same checkpoint, the newest that every rank's
+OUT_DIR holds complete (a node-local mirror may lack one that rank 0's holds); a
+node-local folder (a remote OUT_DIR's mirror on another node than rank 0's) keeps
+the checkpoints rank 0's keeps, and its leftovers of interrupted writes are cleared
+at the start, as rank 0's are.
 """
 
 import logging
@@ -28,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 # Submodules by their full names: `from pycls_fast.checkpoint import ...` would
 # run the package's __init__, which imports this module.
 import pycls_fast.checkpoint.files as files
+import pycls_fast.checkpoint.remote as remote_out
 import pycls_fast.checkpoint.retention as retention
 import pycls_fast.checkpoint.run_record as run_record
 import pycls_fast.checkpoint.sharded as sharded
@@ -245,7 +255,7 @@ def finish_write(cfg, write) -> str | None:
         error = distributed.broadcast_object(error)
     if error:
         raise _write_error(folder, error)
-    if distributed.is_main():
+    if distributed.is_main() and not getattr(write, "completed", False):
         logger.info("wrote checkpoint %s (asynchronously)", path)
     return path if distributed.is_main() else None
 
@@ -287,13 +297,24 @@ def save(parts, epoch: int, iteration: int):
 class CheckpointManager:
     """Saves and restores the checkpoints of one run (every rank makes one)."""
 
-    def __init__(self, parts, before_save=None, after_save=None, stall_timer=None):
+    def __init__(
+        self,
+        parts,
+        before_save=None,
+        after_save=None,
+        stall_timer=None,
+        remote=None,
+    ):
         """`before_save(epoch, iteration)`: called before the checkpoint of that
         position is written (it may raise to prevent it); `after_save(path)`: on
         every rank once it is written and retention applied (`path` None on ranks
         other than 0); `stall_timer()`: a context manager around the time a save
-        keeps the caller (goodput's checkpoint stalls)."""
+        keeps the caller (goodput's checkpoint stalls); `remote`: the RemoteOut of
+        a remote OUT_DIR (OUT_DIR is then its mirror), which a resume fetches the
+        checkpoint files this rank reads from. Every rank makes one, at the same
+        point (a collective: whether this rank's OUT_DIR is rank 0's)."""
         self.parts = parts
+        self.remote = remote
         self.before_save = before_save
         self.after_save = after_save
         self.stall_timer = stall_timer or nullcontext
@@ -309,15 +330,32 @@ class CheckpointManager:
         self.best = None
         if self.keep_best and distributed.is_main():
             self.best = retention.read_best(self.out_dir)
+        # The first rank of a node whose OUT_DIR is not rank 0's (a node-local
+        # mirror) keeps that folder as rank 0 keeps its own.
+        self.own_folder = (
+            not remote_out.sees_main_folder(self.out_dir)
+            and distributed.local_rank() == 0
+        )
+        if self.own_folder:
+            files.remove_partial(self.out_dir)
 
     def restore(self):
-        """With TRAIN.AUTO_RESUME, loads the newest complete checkpoint; returns the
-        (epoch, iteration) to start from ((0, 0) without one)."""
-        last = (
-            files.last_checkpoint(self.out_dir) if self.cfg.TRAIN.AUTO_RESUME else None
-        )
-        if not last:
+        """With TRAIN.AUTO_RESUME, loads the newest checkpoint that every rank's
+        OUT_DIR holds complete (every rank the same); returns the (epoch,
+        iteration) to start from ((0, 0) without one). Of a remote OUT_DIR's
+        sharded checkpoint, the files this rank reads are fetched first."""
+        if not self.cfg.TRAIN.AUTO_RESUME:
             return 0, 0
+        name = agreed_checkpoint(self.out_dir)
+        if name is None:
+            return 0, 0
+        last = os.path.join(files.checkpoint_dir(self.out_dir), name)
+        if self.remote is not None and files.is_sharded(last):
+            p = self.parts
+            needed = sharded.files_to_read(last, p.trained, p.optimizer, p.ema)
+            remote_out.fetch_checkpoint(
+                self.remote, name, needed, self.cfg.DIST.PULL_TIMEOUT_S
+            )
         epoch, iteration = restore(self.parts, last)
         logger.info(
             "resumed from %s (epoch %d, iteration %d)", last, epoch + 1, iteration
@@ -339,7 +377,9 @@ class CheckpointManager:
                 )
                 return None
             path = save(self.parts, epoch, iteration)
-        return self._completed(path)
+        self._completed(path)
+        self._keep_node_folders()
+        return path
 
     def _host_stager(self):
         if self._stager is None:
@@ -367,24 +407,30 @@ class CheckpointManager:
                 write.wait_staged()
 
     def poll(self) -> None:
-        """Completes a single-file write that has finished (retention, upload); no
-        collective, so any rank may call it at any step. A failed write waits for
-        `finish_pending` to stop every rank together."""
+        """Rank 0 of a single-file write that has finished: its own part of
+        completing it (retention, upload) at once; no collective, so any rank may
+        call it at any step. The write stays in flight on every rank until
+        `finish_pending` (every rank's collective: a rank that dropped it there
+        alone would meet the others' broadcast with another collective). A failed
+        write waits for `finish_pending` to stop every rank together."""
         write = self.pending
-        if write is None or isinstance(write, ShardedWrite) or not write.done():
+        if not isinstance(write, FileWrite) or write.completed or not write.done():
             return
-        if write.error is None:
-            self.pending = None
-            if write.path is not None:
-                logger.info("wrote checkpoint %s (asynchronously)", write.path)
+        if write.error is None and write.path is not None:
+            write.completed = True
+            logger.info("wrote checkpoint %s (asynchronously)", write.path)
             self._completed(write.path)
 
     def finish_pending(self) -> None:
         """Every rank: waits for the asynchronous write in flight, if any, and
         completes it (retention, the after_save hook)."""
         write, self.pending = self.pending, None
-        if write is not None:
-            self._completed(finish_write(self.cfg, write))
+        if write is None:
+            return
+        path = finish_write(self.cfg, write)
+        if not getattr(write, "completed", False):
+            self._completed(path)
+        self._keep_node_folders()
 
     def close(self, failed: bool = False) -> None:
         """The run ends: its last write completes before the process may exit.
@@ -403,6 +449,8 @@ class CheckpointManager:
         self.finish_pending()
 
     def _completed(self, path):
+        """This rank's part of completing the checkpoint at `path` (None on ranks
+        other than 0): the best pointer, retention, the after_save hook."""
         if path and self.best and os.path.basename(path) == self.best["checkpoint"]:
             # Its weights were replaced: their test error is not known yet.
             self.best = None
@@ -451,8 +499,13 @@ class CheckpointManager:
         if self.keep_best and self.pending is not None:
             with self.stall_timer():
                 self.finish_pending()  # these weights' checkpoint may be in flight
-        if not (self.keep_best and distributed.is_main()):
+        if not self.keep_best:
             return
+        if distributed.is_main():
+            self._mark_best(epoch, top1_err)
+        self._keep_node_folders()
+
+    def _mark_best(self, epoch, top1_err):
         suffix = sharded.SUFFIX if sharded_checkpoints(self.cfg) else files.SUFFIX
         name = files.checkpoint_name(epoch + 1, 0, suffix)
         if not os.path.exists(os.path.join(files.checkpoint_dir(self.out_dir), name)):
@@ -466,3 +519,38 @@ class CheckpointManager:
         if self.keep_last and distributed.is_main():
             protected = {self.best["checkpoint"]} if self.best else set()
             retention.apply_retention(self.out_dir, self.keep_last, protected)
+
+    def _keep_node_folders(self):
+        """Every rank, after rank 0's retention: a node-local folder drops the
+        checkpoints rank 0's no longer holds (its own copies, which rank 0 does
+        not see, and pulled ones)."""
+        if not self.keep_last or distributed.world_size() == 1:
+            return
+        kept = None
+        if distributed.is_main():
+            kept = [os.path.basename(p) for p in files.list_checkpoints(self.out_dir)]
+        kept = distributed.broadcast_object(kept)
+        if self.own_folder:
+            retention.keep_only(self.out_dir, kept)
+
+
+def agreed_checkpoint(out_dir: str) -> str | None:
+    """Every rank: the name of the newest checkpoint that every rank's `out_dir`
+    holds complete, or None. Node-local folders may differ: a mirror that lacks
+    rank 0's newest (written there, its upload cut short by a stop) must not make
+    the ranks load different epochs into one model."""
+    names = [os.path.basename(p) for p in files.list_checkpoints(out_dir)]
+    everyone = distributed.all_gather_object(names)
+    common = [n for n in everyone[0] if all(n in other for other in everyone)]
+    chosen = common[-1] if common else None
+    newest = everyone[0][-1] if everyone[0] else None
+    if newest is not None and newest != chosen and distributed.is_main():
+        lacking = [r for r, other in enumerate(everyone) if newest not in other]
+        logger.warning(
+            "warning: %s, the newest checkpoint in rank 0's OUT_DIR, is not complete "
+            "in the OUT_DIR of rank(s) %s: every rank resumes from %s",
+            newest,
+            ", ".join(map(str, lacking[:8])),
+            chosen or "the start",
+        )
+    return chosen

@@ -12,6 +12,7 @@ from typing import Any
 from pycls_fast.checkpoint.files import (
     checkpoint_dir,
     list_checkpoints,
+    position,
     remove_checkpoint,
 )
 from pycls_fast.errors import CheckpointError
@@ -79,6 +80,27 @@ def to_delete(
         return []
     kept = set(paths[-keep_last:]) | {paths[-1]}
     return [p for p in paths if p not in kept and os.path.basename(p) not in protected]
+
+
+def keep_only(out_dir: str, names: Collection[str]) -> list[str]:
+    """Deletes from OUT_DIR/checkpoints every checkpoint (complete or not: a node's
+    own copy of a sharded one lacks `.metadata`) whose name is not in `names`
+    (another folder's retention: rank 0's); returns the paths deleted."""
+    folder = checkpoint_dir(out_dir)
+    if not os.path.isdir(folder):
+        return []
+    deleted = []
+    for name in sorted(os.listdir(folder)):
+        if position(name) is None or name in names:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            remove_checkpoint(path)
+        except OSError as e:
+            logger.warning("cannot delete old checkpoint %s: %s", path, e)
+            continue
+        deleted.append(path)
+    return deleted
 
 
 def apply_retention(

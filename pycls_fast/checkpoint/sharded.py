@@ -10,6 +10,7 @@ that looks complete.
     save(path, model, optimizer, ema, meta, rank_state)   # every rank
     future = start_save(path, ...); ...; publish(path)    # asynchronous (every rank)
     meta, rank_state = load(path, model, optimizer, ema)  # every rank
+    files_to_read(path, model, optimizer, ema)            # what load reads here
     read_model_state(path, key="model")                   # one process, no group
     CheckpointTensors(path, key="model")                  # the same, read per tensor
     consolidate(path, out_file)                           # one single-file checkpoint
@@ -54,6 +55,7 @@ __all__ = [
     "load",
     "read_meta",
     "read_model_state",
+    "files_to_read",
 ]
 
 
@@ -191,7 +193,8 @@ def save(
     rank's own state (RNG states); both tensors and plain values only (they are
     loaded with weights_only)."""
     tmp = _clear_tmp(path)
-    dcp.save(_state(model, optimizer, ema, meta, rank_state), checkpoint_id=tmp)
+    state = _state(model, optimizer, ema, meta, rank_state)
+    dcp.save(state, checkpoint_id=tmp, planner=_save_planner())
     publish(path)
 
 
@@ -212,8 +215,23 @@ def start_save(
     tmp = _clear_tmp(path)
     state = _state(model, optimizer, ema, meta, rank_state)
     return dcp.async_save(
-        state, checkpoint_id=tmp, process_group=process_group, async_stager=stager
+        state,
+        checkpoint_id=tmp,
+        process_group=process_group,
+        async_stager=stager,
+        planner=_save_planner(),
     )
+
+
+def _save_planner():
+    """DCP's planner, each value that several ranks hold (the meta, step counts,
+    tensors replicated over data- or tensor-parallel ranks) written by the lowest
+    of them: a rank resuming at the same layout then reads its own file and
+    rank 0's (fetch_checkpoint pulls a node only those), not values spread over
+    every rank's file."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 
 
 def _check_fits(path, saved, prefix, state):
@@ -232,6 +250,45 @@ def _check_fits(path, saved, prefix, state):
             )
 
 
+def _load_state(path, saved, model, optimizer, ema):
+    """(whole, state, optimizer options) of a load: `state` holds the tensors DCP
+    loads into (q/k/v pieces of tensor-parallel parameters as views of their local
+    tensors), `whole` the state dicts to set from them."""
+    tp = tp_size(model)
+    whole = {"model": get_model_state_dict(model)}
+    _check_fits(path, saved, "model", whole["model"])
+    options = _optim_options(saved)
+    whole["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
+    if ema is not None and any(k.startswith("ema.") for k in saved):
+        whole["ema"] = get_model_state_dict(ema)
+    return whole, {k: to_checkpoint(v, tp) for k, v in whole.items()}, options
+
+
+def files_to_read(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: nn.Module | None,
+) -> set[str]:
+    """The files of the sharded checkpoint `path` that `load` reads on this rank
+    (DCP's load plan of its shards against `.metadata`, which is all it needs of
+    `path`), `.metadata` included: what a node-local mirror must hold to resume."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    metadata = _full_metadata(path)
+    saved = metadata.state_dict_metadata
+    _, state, _ = _load_state(path, saved, model, optimizer, ema)
+    rank_key = f"rank_{distributed.rank()}"
+    state["extra"] = {"meta": io.BytesIO()}
+    if f"extra.{rank_key}" in saved:
+        state["extra"][rank_key] = io.BytesIO()
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    storage = metadata.storage_data
+    plan = planner.create_local_plan()
+    return {".metadata"} | {storage[i.storage_index].relative_path for i in plan.items}
+
+
 def load(
     path: str,
     model: nn.Module,
@@ -243,16 +300,7 @@ def load(
     written at another world size (the RNG streams of the ranks then start afresh)."""
     reader = _KnownMetadataReader(path, _full_metadata(path))
     saved = reader.read_metadata().state_dict_metadata
-    tp = tp_size(model)
-    # `state` holds the tensors DCP loads into (q/k/v pieces of tensor-parallel
-    # parameters as views of their local tensors), `whole` the state dicts to set.
-    whole = {"model": get_model_state_dict(model)}
-    _check_fits(path, saved, "model", whole["model"])
-    options = _optim_options(saved)
-    whole["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
-    if ema is not None and any(k.startswith("ema.") for k in saved):
-        whole["ema"] = get_model_state_dict(ema)
-    state = {k: to_checkpoint(v, tp) for k, v in whole.items()}
+    whole, state, options = _load_state(path, saved, model, optimizer, ema)
     no_dist = not dist.is_initialized()
     meta = read_meta(path, no_dist=no_dist, reader=reader)
     rank_key = f"rank_{distributed.rank()}"

@@ -7,8 +7,13 @@
 The teacher is a model of DISTILL.TEACHER_CFG with DISTILL.TEACHER_WEIGHTS (a
 pycls_fast or pycls checkpoint, or a timm ViT state dict converted on load), at the
 student's image size and class count. It runs in eval mode without gradients, in the
-training dtype (cast as the student is for the AMP mode), and under FSDP is sharded as
-the student is.
+training dtype (cast as the student is for the AMP mode). It is built as the student
+is (engine/model_setup.py): on the meta device, cast, under FSDP sharded over the
+data-parallel ranks, then given this rank's shards only, filled from the weights one
+full tensor at a time (a file memory-mapped), so that no rank ever holds the whole
+teacher unless it runs it whole: without FSDP (DDP, or TP and PP, which split the
+student only) each rank holds the whole teacher for evaluation, its size said in the
+log line (`Distiller.note`).
 """
 
 from collections.abc import Callable
@@ -22,10 +27,12 @@ from pycls_fast.checkpoint.files import load_checkpoint
 from pycls_fast.checkpoint.weights import load_model_weights
 from pycls_fast.components.precision import AmpMode, prepare_model
 from pycls_fast.config import load_cfg
-from pycls_fast.errors import UserError
+from pycls_fast.errors import CheckpointError, UserError
 from pycls_fast.models import build_model
 from pycls_fast.models.timm_compat import from_timm, unwrap_state_dict
 from pycls_fast.parallel.data_parallel import fsdp_enabled, shard_model
+from pycls_fast.parallel.materialize import copy_full_tensors, named_tensors
+from pycls_fast.runtime.distributed import local_tensor
 
 
 def distillation_loss(
@@ -60,8 +67,9 @@ def distillation_loss(
 
 def _teacher_state(path: str, tcfg: CfgNode):
     """The teacher's state dict when `path` holds timm's ViT names (converted here),
-    else None (a pycls_fast or pycls checkpoint: load_model_weights reads it)."""
-    state = unwrap_state_dict(load_checkpoint(path))
+    else None (a pycls_fast or pycls checkpoint: load_model_weights reads it). The
+    file is memory-mapped: its tensors are read when taken, not held whole."""
+    state = unwrap_state_dict(load_checkpoint(path, mmap=True))
     if isinstance(state, dict) and "patch_embed.proj.weight" in state:
         return from_timm(state, tcfg)
     return None
@@ -99,9 +107,15 @@ class Distiller:
 
 
 def build_distiller(
-    cfg: CfgNode, device: torch.device, mode: AmpMode, half: torch.dtype
+    cfg: CfgNode,
+    device: torch.device,
+    mode: AmpMode,
+    half: torch.dtype,
+    dp_mesh=None,
 ) -> Distiller | None:
-    """The run's Distiller (teacher built, loaded, cast and sharded), or None."""
+    """The run's Distiller (teacher built on the meta device, cast, sharded over
+    `dp_mesh` (the data-parallel ranks; None: all) under FSDP, then this rank's
+    shards filled from the weights), or None."""
     d = cfg.DISTILL
     if d.TYPE == "none":
         return None
@@ -113,16 +127,30 @@ def build_distiller(
         )  # fmt: skip
     except FileNotFoundError:
         raise UserError(f"DISTILL.TEACHER_CFG not found: {d.TEACHER_CFG}") from None
-    teacher = build_model(tcfg)
+    with torch.device("meta"):
+        teacher = build_model(tcfg)
+    teacher.eval().requires_grad_(False)
+    prepare_model(teacher, mode, half, cfg.AMP.LAYER_NORM_FP32)
+    sharded = fsdp_enabled(cfg)
+    if sharded:
+        shard_model(teacher, cfg, mode, half, dp_mesh)
+    teacher.to_empty(device=device)  # this rank's shards (or all of it), no values
     converted = _teacher_state(d.TEACHER_WEIGHTS, tcfg)
     if converted is not None:
-        teacher.load_state_dict(converted)
+        done = copy_full_tensors(teacher, lambda name, t: converted.get(name))
+        missing = sorted(set(dict(named_tensors(teacher))) - set(done))
+        if missing:
+            raise CheckpointError(
+                f"DISTILL.TEACHER_WEIGHTS {d.TEACHER_WEIGHTS} does not fit "
+                f"DISTILL.TEACHER_CFG: it lacks {missing[0]}"
+            )
         note = f"teacher: timm weights {d.TEACHER_WEIGHTS} converted"
     else:
         note = "teacher: " + load_model_weights(teacher, d.TEACHER_WEIGHTS).describe()
-    teacher.eval().requires_grad_(False)
-    teacher.to(device)
-    prepare_model(teacher, mode, half, cfg.AMP.LAYER_NORM_FP32)
-    if fsdp_enabled(cfg):
-        shard_model(teacher, cfg, mode, half)
+    held = sum(
+        local_tensor(t).numel() * local_tensor(t).element_size()
+        for _, t in named_tensors(teacher)
+    )
+    how = "its FSDP shards" if sharded else "whole, replicated for evaluation"
+    note += f"; {held / 2**30:.2f} GiB on this rank ({how})"
     return Distiller(teacher, cfg, note)

@@ -15,7 +15,6 @@ import os
 import random
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from yacs.config import CfgNode
 
 from pycls_fast.checkpoint import CheckpointManager, files
-from pycls_fast.checkpoint.remote import PULLED_MARKER, RemoteOut, mirror_dir
+from pycls_fast.checkpoint.remote import RemoteOut, mirror_dir, pull_on_each_node
 from pycls_fast.checkpoint.run_record import record_config
 from pycls_fast.checkpoint.weights import (
     LoadedWeights,
@@ -89,8 +88,10 @@ from pycls_fast.parallel.pipeline import (
 )
 from pycls_fast.parallel.planner import auto_layout, device_gib
 from pycls_fast.parallel.tensor_parallel import (
+    average_replicated_grads,
     clip_grad_norm_,
     grad_norm,
+    replicated_params,
 )
 from pycls_fast.runtime import distributed
 from pycls_fast.runtime.device_info import describe_device, outdated_warning
@@ -159,6 +160,10 @@ class Components:
     # Called before the optimizer changes the weights (an asynchronous checkpoint
     # still copying them waits there).
     before_update: Callable[[], None] | None = None
+    # PARALLEL.TP: the parameters every TP rank holds whole, whose gradients are
+    # averaged over the TP group (`tp_group`) each step so that they stay equal.
+    tp_replicated: list[torch.Tensor] = field(default_factory=list)
+    tp_group: object = None
 
     def autocast(self, mode: AmpMode | None = None):
         """The autocast context of this run's forward passes in `mode` (default: the
@@ -271,7 +276,8 @@ def build_components(
     fsdp = fsdp_enabled(cfg)
     distiller = None
     if weights is None:  # training: the teacher, if any
-        distiller = build_distiller(cfg, device, mode, half)
+        dp_mesh = mesh["dp"] if mesh is not None else None
+        distiller = build_distiller(cfg, device, mode, half, dp_mesh)
         if distiller is not None:
             logger.info("DISTILL.TYPE %s: %s", cfg.DISTILL.TYPE, distiller.note)
     groups = split_by_tensor_kind(param_groups(model, cfg))
@@ -304,6 +310,9 @@ def build_components(
         ema_pipeline=built.ema_pipeline,
         reports_metrics=tp_i == 0 and pp_i == layout.pp - 1,
     )
+    if layout.tp > 1:
+        parts.tp_replicated = replicated_params(parts.model)
+        parts.tp_group = mesh["tp"].get_group()
     dtype = input_dtype(mode, half)
     if "train" in (loaders or ()):
         parts.train_loader = construct_train_loader(cfg, data_rank, layout.dp)
@@ -405,6 +414,8 @@ def train_step(parts, inputs, targets, weight=1.0):
     Nothing is read back to the host (fp16 with a non-fused optimizer reads the
     flag)."""
     loss, logits = forward_backward(parts, inputs, targets, weight)
+    if parts.tp_replicated:
+        average_replicated_grads(parts.tp_replicated, parts.tp_group)
     if parts.master is not None:
         parts.master.grads_to_master()
     # The overflow flag is reduced over every rank (an overflow in any stage or
@@ -705,7 +716,7 @@ def train_model(cfg):
         # The same config on every rank, the URL compared (mirrors may differ by
         # node: each node's own temporary folder).
         distributed.check_same_config(cfg)
-        pull_on_each_node(remote)
+        pull_on_each_node(remote, cfg.DIST.PULL_TIMEOUT_S)
         cfg = with_overrides(cfg, {"OUT_DIR": local})
     else:
         distributed.check_same_config(cfg)
@@ -719,35 +730,6 @@ def train_model(cfg):
             lock.release()
         if remote is not None and distributed.is_main():
             remote.push()  # the logs of a run that ends, stops or fails
-
-
-def pull_on_each_node(remote: RemoteOut) -> None:
-    """Fills the mirror of every node from the store, once per mirror folder: rank
-    0 pulls first (leaving a marker of this job), then the first rank of each node
-    that does not see the marker (a node-local mirror) pulls its own. Nodes that
-    share rank 0's mirror (a shared file system) neither pull again nor collide on
-    its lock."""
-    token = distributed.broadcast_object(uuid.uuid4().hex)
-    marker = os.path.join(remote.local, f"{PULLED_MARKER}{token}")
-    if distributed.is_main():
-        _pull(remote)
-        open(marker, "w").close()  # noqa: SIM115 - an empty marker
-    distributed.barrier()
-    if (
-        not distributed.is_main()
-        and distributed.local_rank() == 0
-        and not os.path.exists(marker)
-    ):
-        _pull(remote)
-    distributed.barrier()
-    if distributed.is_main():
-        os.remove(marker)
-
-
-def _pull(remote):
-    os.makedirs(remote.local, exist_ok=True)
-    with RunLock(remote.local):  # two runs on one node do not fill one mirror
-        remote.pull()
 
 
 def resolve_channel_order(cfg: CfgNode, weights: str) -> CfgNode:
@@ -838,6 +820,7 @@ def _train(cfg, stop, remote=None):
         before_save=before_save,
         after_save=after_save,
         stall_timer=lambda: metrics.span("checkpoint"),
+        remote=remote,
     )
     parts.before_update = manager.wait_staged
     start_epoch, start_iter = manager.restore()

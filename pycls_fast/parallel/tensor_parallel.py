@@ -6,9 +6,14 @@ Each block's attention projection `attn_proj` and MLP `linear_1` are split by ro
 (output columns: ColwiseParallel), `out_proj` and `linear_2` by columns
 (RowwiseParallel), so a block costs two all-reduces forward and two backward; each
 rank runs NUM_HEADS / TP heads and MLP_DIM / TP hidden units. The stem, tokens,
-position embedding, final LayerNorm and head stay whole on every rank (plain tensors,
-computed alike; their gradients come out equal on every rank, because the block
-inputs' gradients are all-reduced on their way back).
+position embedding, final LayerNorm and head (and, without sequence parallelism, the
+blocks' LayerNorms) stay whole on every rank: plain tensors, computed alike, whose
+gradients would come out equal on every rank if every kernel were deterministic
+(the block inputs' gradients are all-reduced on their way back). cuDNN's and the
+fused kernels' weight gradients are not bit-reproducible, so the replicas could
+drift apart while a checkpoint saves one of them: `average_replicated_grads`
+averages their gradients over the TP ranks every step (one all-reduce per dtype
+of the few replicated tensors), which keeps them identical.
 
 With sequence parallelism (Korthikanti et al., https://arxiv.org/abs/2205.05198) the
 residual stream between the blocks' matmuls is split along the sequence: the
@@ -176,6 +181,39 @@ def apply_tp(model: ViT, tp_mesh, sp: bool) -> ViT:
             local = SequenceParallel(sequence_dim=seq_dim, use_local_output=True)
             parallelize_module(ln, tp_mesh, local)
     return model
+
+
+def _on_tp_mesh(p: torch.Tensor) -> bool:
+    return isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
+
+
+def replicated_params(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters of a tensor-parallel `model` that every TP rank
+    holds whole (plain tensors, or FSDP shards over the 'dp' dimension only): the
+    ones `average_replicated_grads` keeps equal. Every other one is a DTensor on
+    the 'tp' mesh dimension, whose gradient DTensor reduces."""
+    return [p for p in model.parameters() if p.requires_grad and not _on_tp_mesh(p)]
+
+
+def average_replicated_grads(params: list[torch.Tensor], group) -> None:
+    """Averages the gradients of `params` (replicated_params's) over the TP ranks
+    of `group`, in place: one all-reduce per dtype of their local tensors."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in _grads(params)]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    size = torch.distributed.get_world_size(group)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same)
+        torch.distributed.all_reduce(flat, group=group)
+        flat.div_(size)
+        torch._foreach_copy_(same, list(_unflatten_dense_tensors(flat, same)))
+
+
+def _grads(params):
+    return [p.grad for p in params if p.grad is not None]
 
 
 def tp_size(model: nn.Module) -> int:

@@ -5,6 +5,7 @@ launch/processes.py's.
 Work in a single process needs none of it: every helper falls back to rank 0 of 1.
 """
 
+import datetime
 import hashlib
 import os
 from collections.abc import Iterable
@@ -85,6 +86,29 @@ def _reduce_device():
 def barrier() -> None:
     if is_initialized():
         dist.barrier()
+
+
+def patient_group(timeout_s: float):
+    """A gloo group of every rank whose collectives wait up to `timeout_s`, not the
+    job's DIST.TIMEOUT_S: for `wait_for_all` after work of uneven length (a
+    download). Every rank calls it, at the same point; None in a single process."""
+    if not is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def wait_for_all(group, what: str) -> None:
+    """Every rank waits on `group` (patient_group's) until all arrive; a
+    RuntimeError naming `what` when its timeout passes first."""
+    if group is None:
+        return
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RuntimeError(
+            f"rank {rank()} waited in vain for {what} (DIST.PULL_TIMEOUT_S): {first}"
+        ) from None
 
 
 def broadcast_object(obj: Any) -> Any:

@@ -289,6 +289,7 @@ def test_two_nodes_with_node_local_mirrors_checkpoint_to_s3(s3, tmp_path):
     def job(name, epochs):
         args = _train_args(run, "")  # OUT_MIRROR '': under each node's TMPDIR
         args[args.index("OPTIM.MAX_EPOCH") + 1] = epochs
+        args[args.index("TRAIN.CHECKPOINT_KEEP") + 1] = "1"
         args[args.index("DATA.PATH") + 1] = data
         port = str(_free_port())
         procs = []
@@ -318,17 +319,23 @@ def test_two_nodes_with_node_local_mirrors_checkpoint_to_s3(s3, tmp_path):
             assert p.returncode == 0, o[-3000:]
         return outs[0]
 
+    def mirror_checkpoints(name, node):
+        """The checkpoints in a node's mirror (under its TMPDIR)."""
+        (mirror,) = (tmp_path / f"{name}_node{node}" / "pycls_fast_out").iterdir()
+        return sorted(os.listdir(mirror / "checkpoints"))
+
     job("first", "2")
     fs = _fs()
     fs.invalidate_cache()
-    for epoch in (1, 2):
-        parts = {
-            os.path.basename(p)
-            for p in fs.find(
-                f"{BUCKET}/nodes_run/checkpoints/model_epoch_000{epoch}.dcp"
-            )
-        }
-        assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= parts, parts
+    parts = {
+        os.path.basename(p)
+        for p in fs.find(f"{BUCKET}/nodes_run/checkpoints/model_epoch_0002.dcp")
+    }
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= parts, parts
+    # TRAIN.CHECKPOINT_KEEP 1 on the store and in every node's mirror.
+    assert not fs.exists(f"{BUCKET}/nodes_run/checkpoints/model_epoch_0001.dcp")
+    for node in (0, 1):
+        assert mirror_checkpoints("first", node) == ["model_epoch_0002.dcp"]
     out = job("second", "3")  # fresh mirrors: each node pulls the checkpoint
     assert "fetched checkpoints: model_epoch_0002.dcp" in out
     assert "resumed from" in out
@@ -337,3 +344,5 @@ def test_two_nodes_with_node_local_mirrors_checkpoint_to_s3(s3, tmp_path):
     assert fs.exists(
         f"{BUCKET}/nodes_run/checkpoints/model_epoch_0003.dcp/__1_0.distcp"
     )
+    for node in (0, 1):
+        assert mirror_checkpoints("second", node) == ["model_epoch_0003.dcp"]
