@@ -15,7 +15,8 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
   per rank when interleaved); FSDP then keeps one
   dim-0 chunk of each tensor per data-parallel rank (the largest chunk, rank 0's);
 - under FSDP, the weights gathered for computing (the block running and the one
-  prefetched, in the compute dtype) and one block's unsharded gradients; with
+  prefetched, in the compute dtype) and one block's unsharded gradients with the
+  reduce-scatter's input made from them (in the reduce dtype); with
   TRAIN.ACCUM_STEPS > 1, the whole (TP-local) model's gradients unsharded between
   micro-batches (FSDP2 accumulates them unreduced while gradient sync is off), in
   the reduce dtype, counted in `grads`; in a pipeline, the whole stage's weights
@@ -299,15 +300,21 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
             # set_requires_gradient_sync(False)): the whole stage, twice.
             out["gathered"] = int(stage_numel * 2 * compute_b)
         else:
-            out["gathered"] = int(block_numel * (2 * compute_b + 4))
+            # A block's unsharded gradients (in the compute dtype) and FSDP2's
+            # reduce-scatter input, made from them before they are freed (in the
+            # reduce dtype: fp32 under O1 and O2, half under O3): both live at once
+            # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py
+            # foreach_reduce, copy-in then `unsharded_grads.clear()`).
+            reduce_b = half_b if mode is AmpMode.O3 else 4
+            block_b = 2 * compute_b + compute_b + reduce_b
+            out["gathered"] = int(block_numel * block_b)
             if cfg.TRAIN.ACCUM_STEPS > 1:
                 # Between micro-batches the gradient reduction is off
                 # (set_requires_gradient_sync(False)): FSDP2 keeps every
                 # parameter's gradient unsharded, the rank's whole (TP-local)
                 # model, in the reduce dtype (fp32 under O1 and O2, half under
                 # O3), until the last micro-batch reduce-scatters it.
-                accum_b = half_b if mode is AmpMode.O3 else 4
-                out["grads"] += int(stage_numel * accum_b)
+                out["grads"] += int(stage_numel * reduce_b)
     # O1's half-precision copies of the Linear / Conv2d weights: without FSDP
     # autocast's cache keeps them to the end of the forward (a pipeline's whole
     # step), a half copy of the rank's TP-local weights; under FSDP the cache is
