@@ -813,6 +813,23 @@ _key("AMP.LAYER_NORM_FP32", True)
 # GPU only (Ampere and later); set once per process (precision.apply_backend_flags)
 _key("AMP.TF32", True)
 
+# Float8 training (torchao.float8): the encoder blocks' linear layers (q/k/v,
+# projection, MLP) run their matmuls on float8 inputs, scaled dynamically; the stem,
+# head and norms keep AMP.MODE's precision (components/float8.py). Needs a GPU with
+# float8 matmuls (compute capability 8.9+: H100, H200, L4), AMP.DTYPE bf16, and
+# VIT.HIDDEN_DIM and VIT.MLP_DIM (divided by PARALLEL.TP) multiples of 16. Use it
+# with TRAIN.COMPILE (torch.compile fuses float8's casts; a warning says so when off)
+_key("AMP.FP8", False)
+
+# AMP.FP8's scaling: 'tensorwise' (one scale per tensor; e4m3 inputs and weights,
+# e5m2 gradients; FSDP all-gathers the weights in float8) or 'rowwise' (a power-of-2
+# scale per row, e4m3 throughout; more accurate, a little slower)
+_key("AMP.FP8_RECIPE", "tensorwise", choices=["tensorwise", "rowwise"])
+
+# AMP.FP8's matmuls emulated in fp32 from the float8 values (torchao's emulate): the
+# same numbers on any device, no speed-up. For tests on CPUs and GPUs without float8
+_key("AMP.FP8_EMULATE", False)
+
 
 # ---------------------------------- CUDNN options ----------------------------------- #
 _C.CUDNN = CfgNode()
@@ -1429,6 +1446,7 @@ def check_cfg(cfg: CfgNode) -> None:
     if cfg.OPTIM.LR_POLICY == "steps" and not cfg.OPTIM.STEPS:
         raise ConfigError("OPTIM.STEPS must be set when OPTIM.LR_POLICY is 'steps'")
     _check_parallel(cfg)
+    _check_fp8(cfg)
     _check_optimizer(cfg)
     # Batches are split among the data-parallel ranks (NUM_GPUS without TP or PP).
     dp = cfg.NUM_GPUS // (cfg.PARALLEL.TP * cfg.PARALLEL.PP)
@@ -1595,6 +1613,34 @@ def _check_parallel(cfg: CfgNode) -> None:
                     if key == "TRAIN.ACCUM_STEPS"
                     else f"{key} is not supported with PARALLEL.PP > 1"
                 )
+
+
+def _check_fp8(cfg: CfgNode) -> None:
+    """AMP.FP8 with bf16 (float8 has no fp16 recipe: its scales and fp16's loss
+    scaling would fight) and float8 dims: torch's float8 matmul takes dims that are
+    multiples of 16, and each tensor-parallel rank multiplies its own slice."""
+    if not cfg.AMP.FP8:
+        return
+    amp = cfg.AMP.MODE or legacy_amp_mode(cfg)
+    if cfg.AMP.DTYPE == "fp16" and amp != "fp32":
+        raise ConfigError(
+            "AMP.FP8 True needs AMP.DTYPE bf16 (torchao's float8 training has no "
+            "fp16 recipe), got fp16"
+        )
+    tp = cfg.PARALLEL.TP
+    for key in ("HIDDEN_DIM", "MLP_DIM"):
+        value = cfg.VIT[key]
+        if value % (16 * tp):
+            per_rank = f" / PARALLEL.TP ({tp}) = {value / tp:g}" if tp > 1 else ""
+            raise ConfigError(
+                f"AMP.FP8 True needs VIT.{key} ({value}){per_rank} to be a multiple "
+                "of 16 (float8 matmul dims)"
+            )
+    if cfg.PARALLEL.PP > 1:
+        raise ConfigError(
+            "AMP.FP8 True is not supported with PARALLEL.PP > 1 yet (float8 with "
+            "pipeline stages is untested)"
+        )
 
 
 def _check_accept_changes(value: str) -> None:

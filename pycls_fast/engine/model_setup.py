@@ -24,7 +24,16 @@ from yacs.config import CfgNode
 
 from pycls_fast.checkpoint.weights import LoadedWeights, load_model_weights
 from pycls_fast.components.ema import create_ema, ema_enabled, fill_ema
+from pycls_fast.components.float8 import (
+    compile_warning,
+    convert_to_float8,
+    describe_float8,
+    float8_tp_styles,
+    fp8_device_refusal,
+    fp8_enabled,
+)
 from pycls_fast.components.precision import AmpMode, prepare_model
+from pycls_fast.errors import DeviceError
 from pycls_fast.models import build_model
 from pycls_fast.models.vit import init_tensor
 from pycls_fast.parallel.data_parallel import (
@@ -79,6 +88,12 @@ def build_model_parts(
     to use in place of the config's (it is moved whole to `device`, then
     parallelized: for peer implementations in benchmarks)."""
     given = model is not None
+    if fp8_enabled(cfg) and not given:
+        # A given model is the dry run's (fake tensors on the CPU device type,
+        # standing for a GPU's) or a benchmark's peer: its device is not the run's.
+        refusal = fp8_device_refusal(device, cfg.AMP.FP8_EMULATE)
+        if refusal:
+            raise DeviceError(refusal)
     if given:
         model.to(device)
     else:
@@ -145,14 +160,24 @@ def _init(params, seed, name, full):
 
 
 def _split_and_shard(model, cfg, mode, half, layout, mesh, ema=False):
-    """Tensor parallelism (if any), then checkpointing, compile and FSDP over the
-    data-parallel ranks, in place (on the meta device, before any value exists).
-    `ema`: the EMA copy, split and sharded like the model (its updates are per
-    local tensor), and neither checkpointed nor compiled."""
+    """AMP.FP8's float8 linears, tensor parallelism (if any), then checkpointing,
+    compile and FSDP over the data-parallel ranks, in place (on the meta device,
+    before any value exists). `ema`: the EMA copy, split and sharded like the model
+    (its updates are per local tensor), and neither converted, checkpointed nor
+    compiled."""
     dp_mesh = mesh["dp"] if mesh is not None else None
+    if not ema and fp8_enabled(cfg):
+        # Before TP (torchao's float8 styles take Float8Linear) and FSDP (its float8
+        # all-gather takes the float8 weights). The EMA stays in high precision: it
+        # is evaluated and exported as such.
+        converted = convert_to_float8(model, cfg)
+        logger.info("%s", describe_float8(cfg, converted))
+        if warning := compile_warning(cfg):
+            logger.warning("warning: %s", warning)
     if layout.tp > 1:
         sp = sequence_parallel(cfg)
-        apply_tp(model, mesh["tp"], sp)
+        styles = None if ema else float8_tp_styles(cfg, mesh["tp"].device_type)
+        apply_tp(model, mesh["tp"], sp, styles)
         if not ema:
             logger.info(
                 "tensor parallel over %d ranks, sequence parallel %s", layout.tp, sp

@@ -34,6 +34,7 @@ from pycls_fast.checkpoint.weights import (
     resolve_start_weights,
 )
 from pycls_fast.components.ema import ema_alpha, update_ema
+from pycls_fast.components.float8 import float8_scale_updater, fp8_enabled
 from pycls_fast.components.losses import build_loss
 from pycls_fast.components.meters import EpochMeter, memory_mb, topk_errors
 from pycls_fast.components.optimizer import (
@@ -159,6 +160,9 @@ class Components:
     # Called before the optimizer changes the weights (an asynchronous checkpoint
     # still copying them waits there).
     before_update: Callable[[], None] | None = None
+    # Called after the optimizer changed them: AMP.FP8's float8 scales of FSDP's
+    # float8 all-gathers, for all weights in one all-reduce (components/float8.py).
+    after_update: Callable[[], None] | None = None
 
     def autocast(self, mode: AmpMode | None = None):
         """The autocast context of this run's forward passes in `mode` (default: the
@@ -303,6 +307,7 @@ def build_components(
         pipeline=built.pipeline,
         ema_pipeline=built.ema_pipeline,
         reports_metrics=tp_i == 0 and pp_i == layout.pp - 1,
+        after_update=float8_scale_updater(model) if fp8_enabled(cfg) else None,
     )
     dtype = input_dtype(mode, half)
     if "train" in (loaders or ()):
@@ -426,6 +431,8 @@ def train_step(parts, inputs, targets, weight=1.0):
     if parts.scaler.step(parts.optimizer, skip) and parts.master is not None:
         parts.master.master_to_model()  # unchanged masters after a skipped step
     parts.scaler.update(found_inf)
+    if parts.after_update is not None:
+        parts.after_update()
     parts.optimizer.zero_grad(set_to_none=True)
     return loss, logits, found_inf
 
