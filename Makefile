@@ -12,7 +12,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 	check-node bench bench-dist bench-attention \
 	bench-loader bench-index bench-shards bench-loader-scaling \
 	bench-optimizer bench-progressive bench-infer bench-build-memory mutation \
-	bench-checkpoint bench-gpu test-kernels test-intel-mkl clean
+	bench-checkpoint bench-gpu gpu-wheels test-kernels test-intel-mkl clean
 
 setup: $(STAMP)
 
@@ -191,6 +191,14 @@ bench-checkpoint: setup
 # AMP mode, the ladder on the node's GPUs, a short run per AMP mode. ~10 min on one H100.
 bench-gpu: setup
 	PY=$(PY) PATH=$(abspath $(VENV))/bin:$$PATH bash benchmarks/gpu_node.sh out/bench/gpu_node
+
+# torchao for a GPU node that reaches no package registry and keeps its own torch
+# (2.11, Python 3.12 when last seen): its wheel into build/wheels/, which
+# benchmarks/gpu_node.sh installs from when present (docs/PERFORMANCE.md "float8").
+# torchao 0.18.0 is built against torch 2.11; its abi3 wheel takes Python 3.10+.
+gpu-wheels: setup
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 torchao==0.18.0 -d build/wheels
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -71,6 +71,8 @@ for m in $MODES; do
     DATA.PATH "$OUT_DIR/images" OPTIM.MAX_EPOCH "$EPOCHS" OPTIM.WARMUP_EPOCHS 1 AMP.MODE $m \
     LOG_PERIOD 5 DATA_LOADER.NUM_WORKERS "$WORKERS" OUT_DIR "$OUT_DIR/train_$m"
 done
+# float8 vs bf16 on GPUs with float8 matmuls (benchmarks/fp8.py; torchao from build/wheels, `make gpu-wheels`, when present)
+$PY -c "import torch,sys; sys.exit(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)))" && phase fp8 bash -c "if ls build/wheels/torchao-*.whl >/dev/null 2>&1; then $PY -m pip install --no-index --find-links build/wheels torchao; fi; $PY -m benchmarks.fp8 --out-dir '$OUT_DIR/fp8'"
 echo "gpu_node: the step in each mode (time_net) and in a real run (train_net, last epoch):"
 for m in $MODES; do
   step=$(grep -h '"train_img_per_s"' "$OUT_DIR/time_$m.log" | $PY -c \

@@ -60,6 +60,7 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
+from pycls_fast.components.float8 import is_float8_layer
 from pycls_fast.components.optimizer import construct_optimizer
 from pycls_fast.components.precision import AmpMode, resolve_amp
 from pycls_fast.config import get_cfg, with_overrides
@@ -252,10 +253,19 @@ def rank_memory(cfg: CfgNode, c: Candidate, pp_rank: int, tensors=None) -> dict:
     return _stage_memory(cfg, c, pp_rank, bounds, tensors)
 
 
+def _float8_tensor(cfg, name: str) -> bool:
+    """Whether AMP.FP8 makes `name` a parameter of a float8 linear layer."""
+    return bool(cfg.AMP.FP8) and is_float8_layer(name.rsplit(".", 1)[0])
+
+
 def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, int]:
     """The bytes of pipeline rank `rank` (its stages rank and rank + PP)."""
     stages = list(range(rank, len(bounds), c.pp))
     mode, half = resolve_amp(cfg)
+    # AMP.FP8 tensorwise under FSDP all-gathers the float8 layers' weights in
+    # float8 (1 byte); their matmuls cast per use, nothing for autocast to cache.
+    fp8_gather = c.fsdp and cfg.AMP.FP8_RECIPE == "tensorwise"
+    block_fp8_numel = 0
     half_b = torch.finfo(half).bits // 8
     ln_fp32 = cfg.AMP.LAYER_NORM_FP32
     states = optimizer_states(cfg)
@@ -265,11 +275,15 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
         if not _on_stages(name, stages, bounds):
             continue
         shape = _tp_shape(name, shape, c.tp)
+        float8 = _float8_tensor(cfg, name)
+        cast = cast and not float8
         stage_numel += math.prod(shape)
         autocast_numel += math.prod(shape) if cast else 0
         if _block_of(name) == bounds[stages[0]][0]:
             block_numel += math.prod(shape)
             block_cast_numel += math.prod(shape) if cast else 0
+            if float8 and fp8_gather and name.endswith(".weight"):
+                block_fp8_numel += math.prod(shape)
         n = _local_numel(shape, c.dp, c.fsdp)
         if mode is AmpMode.O3 or (
             mode is AmpMode.O2 and not c.fsdp and not (is_ln and ln_fp32)
@@ -295,7 +309,10 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
             # set_requires_gradient_sync(False)): the whole stage, twice.
             out["gathered"] = int(stage_numel * 2 * compute_b)
         else:
-            out["gathered"] = int(block_numel * (2 * compute_b + 4))
+            # Two blocks' weights (the one running, the one prefetched), float8
+            # ones in 1 byte, and one block's unsharded fp32 gradients.
+            gathered = (block_numel - block_fp8_numel) * compute_b + block_fp8_numel
+            out["gathered"] = int(2 * gathered + block_numel * 4)
     # O1's half-precision copies of the Linear / Conv2d weights: without FSDP
     # autocast's cache keeps them to the end of the forward (a pipeline's whole
     # step), a half copy of the rank's TP-local weights; under FSDP the cache is
