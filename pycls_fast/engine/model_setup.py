@@ -94,6 +94,8 @@ def build_model_parts(
         refusal = fp8_device_refusal(device, cfg.AMP.FP8_EMULATE)
         if refusal:
             raise DeviceError(refusal)
+        if warning := compile_warning(cfg):
+            logger.warning("warning: %s", warning)
     if given:
         model.to(device)
     else:
@@ -172,8 +174,6 @@ def _split_and_shard(model, cfg, mode, half, layout, mesh, ema=False):
         # is evaluated and exported as such.
         converted = convert_to_float8(model, cfg)
         logger.info("%s", describe_float8(cfg, converted))
-        if warning := compile_warning(cfg):
-            logger.warning("warning: %s", warning)
     if layout.tp > 1:
         sp = sequence_parallel(cfg)
         styles = None if ema else float8_tp_styles(cfg, mesh["tp"].device_type)
