@@ -41,7 +41,10 @@ from functools import wraps
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+)
 from torch.utils._pytree import tree_leaves
 from yacs.config import CfgNode
 
@@ -379,17 +382,28 @@ class LiveBytes(TorchDispatchMode):
         if _active_fake_mode() is self._fake:
             # An in-place or out= op, or a view, returns an input's storage: no new
             # bytes (the optimizer's update of parameters made before the tracker).
-            inputs = {
-                id(t.untyped_storage())
-                for t in tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor)
-            }
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    if id(st) not in inputs:
-                        self._add(st)
+            inputs = {id(st) for st in _storages(tree_leaves((args, kwargs)))}
+            for st in _storages(tree_leaves(out)):
+                if id(st) not in inputs:
+                    self._add(st)
         return out
+
+
+def _storages(leaves) -> Iterator[torch.UntypedStorage]:
+    """The storages that hold the tensors among `leaves`: a wrapper subclass's
+    (torchao's float8 tensors) are its inner tensors' (a Float8TrainingTensor's
+    nominal dtype is its high-precision one; its bytes are its float8 data's),
+    which its own dispatch made where this mode does not see them."""
+    for t in leaves:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            # Its tensor attributes, read directly: a subclass's own
+            # __tensor_flatten__ may read values (torchao's weight wrapper tests
+            # its scale), which fake tensors have none of.
+            yield from _storages(vars(t).values())
+        else:
+            yield t.untyped_storage()
 
 
 def _active_fake_mode():

@@ -25,6 +25,11 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
   also the casts' half-precision gradients, which autograd holds to the end of
   each later micro-batch's backward (the cached casts' nodes are the oldest: run
   last), beyond what that micro-batch's freed activations make room for;
+- with AMP.FP8, the float8 layers' weights gathered by FSDP in float8 (1 byte;
+  tensorwise), none of their weights in autocast's cache (each use casts them to
+  float8 and lets go), and the eager float8 casts of the largest operand (an fp32
+  scaled copy, its clamp and the float8 result, 9 bytes an element of a micro-batch's
+  tokens x MLP_DIM / TP), counted with the autocast casts;
 - activations kept for backward, per block and image, by Korthikanti et al.
   ("Reducing Activation Recomputation in Large Transformer Models", 2022, eqs. 2-4):
   s*h*(34 + 5*a*s/h) bytes in 16-bit (twice in fp32), the 5*a*s/h of the
@@ -324,6 +329,14 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
         cast_numel = block_cast_numel
     out["autocast"] = cast_numel * half_b if mode is AmpMode.O1 else 0
     images = cfg.TRAIN.BATCH_SIZE // c.dp // cfg.TRAIN.ACCUM_STEPS
+    if cfg.AMP.FP8:
+        # Float8's casts, counted with autocast's: torchao's eager cast of the
+        # largest float8 operand (a micro-batch's tokens x MLP_DIM / TP: linear_2's
+        # input, linear_1's output gradient) scales it in an fp32 copy, clamps it in
+        # another and keeps the float8 result: 4 + 4 + 1 bytes an element, at the
+        # step's peak (measured by engine/dry_run.py; compiled, the casts fuse).
+        tokens = images * _seq_len(cfg)
+        out["autocast"] += int(9 * tokens * cfg.VIT.MLP_DIM / c.tp)
     layers = sum(bounds[s][1] - bounds[s][0] for s in stages)
     if c.pp > 1:
         m = c.micro
