@@ -208,3 +208,32 @@ def test_a_float8_step_with_an_ema_in_high_precision():
     assert torch.isfinite(loss)
     after = parts.model.encoder.block_0.mlp_block.linear_1.weight
     assert after.dtype == torch.float32 and not torch.equal(after, before)
+
+
+def _steps(cfg, steps=2):
+    from pycls_fast.engine import timing
+    from pycls_fast.engine.trainer import build_components, seed_everything, train_step
+
+    seed_everything(0)
+    parts = build_components(cfg, loaders=False)
+    x, y = timing.synthetic_batch(parts, cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.IM_SIZE)
+    losses = [float(train_step(parts, x, y)[0]) for _ in range(steps)]
+    return losses, {k: v.float() for k, v in parts.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", ["O2", "O3"])
+def test_float8_trains_under_o2_and_o3(mode):
+    losses, _ = _steps(_cfg("AMP.MODE", mode, "TRAIN.BATCH_SIZE", "4"), steps=3)
+    assert all(map(torch.isfinite, torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+
+
+def test_activation_checkpointing_recomputes_the_same_float8_casts():
+    """A checkpointed block recomputes its forward in backward: the same inputs, so
+    the same dynamic scales and float8 values; the steps are those without it."""
+    opts = ["TRAIN.BATCH_SIZE", "4", "AMP.MODE", "fp32"]
+    plain = _steps(_cfg(*opts))
+    checkpointed = _steps(_cfg(*opts, "FSDP.ACTIVATION_CHECKPOINT", "True"))
+    assert checkpointed[0] == plain[0]
+    for key, value in plain[1].items():
+        assert torch.equal(checkpointed[1][key], value), key
