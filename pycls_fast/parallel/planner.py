@@ -270,7 +270,7 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
     # AMP.FP8 tensorwise under FSDP all-gathers the float8 layers' weights in
     # float8 (1 byte); their matmuls cast per use, nothing for autocast to cache.
     fp8_gather = c.fsdp and cfg.AMP.FP8_RECIPE == "tensorwise"
-    block_fp8_numel = 0
+    block_fp8_numel = stage_fp8_numel = 0
     half_b = torch.finfo(half).bits // 8
     ln_fp32 = cfg.AMP.LAYER_NORM_FP32
     states = optimizer_states(cfg)
@@ -283,6 +283,8 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
         float8 = _float8_tensor(cfg, name)
         cast = cast and not float8
         stage_numel += math.prod(shape)
+        if float8 and fp8_gather and name.endswith(".weight"):
+            stage_fp8_numel += math.prod(shape)
         autocast_numel += math.prod(shape) if cast else 0
         if _block_of(name) == bounds[stages[0]][0]:
             block_numel += math.prod(shape)
@@ -312,7 +314,10 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
             # micro-batch's forward to the last one's backward, and its gradients
             # unsharded until then (set_reshard_after_backward(False),
             # set_requires_gradient_sync(False)): the whole stage, twice.
-            out["gathered"] = int(stage_numel * 2 * compute_b)
+            # (Float8 weights gathered in 1 byte; their gradients are not float8.)
+            out["gathered"] = int(
+                stage_numel * 2 * compute_b - stage_fp8_numel * (compute_b - 1)
+            )
         else:
             # Two blocks' weights (the one running, the one prefetched), float8
             # ones in 1 byte, and one block's unsharded fp32 gradients.
@@ -335,7 +340,7 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
         # input, linear_1's output gradient) scales it in an fp32 copy, clamps it in
         # another and keeps the float8 result: 4 + 4 + 1 bytes an element, at the
         # step's peak (measured by engine/dry_run.py; compiled, the casts fuse).
-        tokens = images * _seq_len(cfg)
+        tokens = images / (c.micro if c.pp > 1 else 1) * _seq_len(cfg)
         out["autocast"] += int(9 * tokens * cfg.VIT.MLP_DIM / c.tp)
     layers = sum(bounds[s][1] - bounds[s][0] for s in stages)
     if c.pp > 1:

@@ -1,6 +1,6 @@
-"""AMP.FP8 across processes (2 gloo processes, torchao's emulation): FSDP2 and
-tensor parallelism train as one process does; and on the digits demo, float8
-learns as bf16 does and resumes exactly (checkpoints across precisions:
+"""AMP.FP8 across processes (2 gloo processes, torchao's emulation): FSDP2,
+pipeline and tensor parallelism train as one process does; and on the digits demo,
+float8 learns as bf16 does and resumes exactly (checkpoints across precisions:
 tests/unit/checkpoint/test_float8_checkpoints.py)."""
 
 import os
@@ -34,22 +34,25 @@ BASE = [
 ]  # fmt: skip
 
 
-def test_fsdp2_with_float8_all_gather_trains_as_one_process(tmp_path):
+@pytest.mark.parametrize(
+    "layout, micro",
+    [(["FSDP.ENABLED", "True"], 2), (["PARALLEL.PP", "2"], 4)],
+    ids=["fsdp2", "pp2"],
+)
+def test_fsdp2_and_pp2_with_float8_train_as_one_process(layout, micro, tmp_path):
     """FSDP over 2 ranks all-gathers the weights in float8, scaled from the whole
     weight's amax (precomputed after each step): the same float8 weights one
     process casts. Each rank casts its own half batch's activations with their
-    own scale, so the reference is one process in two micro-batches
-    (TRAIN.ACCUM_STEPS 2): then the weights after the steps differ only in the
-    order of the gradients' float64 sums (EXACT). (A rank's logged loss is its own
-    half batch's.)"""
-    one = run_layout(tmp_path, "one", [*BASE, "TRAIN.ACCUM_STEPS", "2"])
-    fsdp = run_layout(
-        tmp_path, "fsdp", [*BASE, "NUM_GPUS", "2", "FSDP.ENABLED", "True"]
-    )
+    own scale, as a pipeline does each of its 4 micro-batches' (2 x PP), so the
+    reference is one process in as many micro-batches (TRAIN.ACCUM_STEPS): then
+    the weights after the steps differ only in the order of the gradients'
+    float64 sums (EXACT). (A data-parallel rank logs its own half batch's loss.)"""
+    one = run_layout(tmp_path, "one", [*BASE, "TRAIN.ACCUM_STEPS", str(micro)])
+    two = run_layout(tmp_path, "two", [*BASE, "NUM_GPUS", "2", *layout])
     assert one["losses"][-1] < one["losses"][0]
-    assert fsdp["state"].keys() == one["state"].keys()
+    assert two["state"].keys() == one["state"].keys()
     for key, value in one["state"].items():
-        torch.testing.assert_close(fsdp["state"][key], value, **EXACT)
+        torch.testing.assert_close(two["state"][key], value, **EXACT)
 
 
 def test_tp2_with_float8_trains_as_one_process(tmp_path):

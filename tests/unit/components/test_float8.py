@@ -152,9 +152,8 @@ def test_the_encoder_linears_become_float8_the_rest_stays():
             ["NUM_GPUS", "2", "PARALLEL.TP", "2", "VIT.MLP_DIM", "48"],
             "VIT.MLP_DIM (48) / PARALLEL.TP (2) = 24",
         ),
-        (["NUM_GPUS", "2", "PARALLEL.PP", "2"], "PARALLEL.PP > 1"),
     ],
-    ids=["fp16", "dims", "dims-per-tp-rank", "pipeline"],
+    ids=["fp16", "dims", "dims-per-tp-rank"],
 )
 def test_config_refusals_are_one_line(opts, message):
     with pytest.raises(ConfigError) as e:
