@@ -768,13 +768,19 @@ _key("DATA_LOADER.NUM_WORKERS", 8, ge=0)
 _key("DATA_LOADER.PIN_MEMORY", True)
 
 # pycls_fast: 'threads' (in-process decoding threads), 'spdl' (the same in an
-# spdl.pipeline) or 'processes' (torch DataLoader); pycls's 'pytorch' loads as
-# 'processes', its 'ffcv' is refused (not implemented)
+# spdl.pipeline), 'subprocess' (the same threads in DATA_LOADER.SUBPROCESSES child
+# processes, batches in shared memory: the training thread keeps its GIL) or
+# 'processes' (torch DataLoader); pycls's 'pytorch' loads as 'processes', its 'ffcv'
+# is refused (not implemented)
 _key(
     "DATA_LOADER.MODE",
     "threads",
-    choices=["threads", "spdl", "processes", "pytorch", "ffcv"],
+    choices=["threads", "spdl", "subprocess", "processes", "pytorch", "ffcv"],
 )
+
+# pycls_fast: child processes of 'subprocess' mode, sharing DATA_LOADER.NUM_WORKERS
+# threads between them (more than one when one process's GIL is the limit)
+_key("DATA_LOADER.SUBPROCESSES", 1, ge=1)
 
 # pycls_fast: abort when more than this fraction of images fail to decode
 _key("DATA_LOADER.MAX_BAD_FRAC", 0.01, ge=0, lt=1)

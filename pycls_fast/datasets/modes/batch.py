@@ -189,10 +189,13 @@ class PartialBatch:
         labels = index.labels[self.indices % len(index)]
         if self.ok.all():
             return make_batch(self.images, labels, self.bad)
-        # numpy's copy (one thread): torch's indexing would start intra-op threads in
-        # whichever thread assembles the batch.
-        good = torch.from_numpy(self.images.numpy()[self.ok])
-        return make_batch(good, labels[self.ok], self.bad)
+        # Compacted in place, so that the batch stays in its buffer (the pool's, or
+        # the slot that 'subprocess' mode hands to the training process); by numpy
+        # (one thread): torch's indexing would start intra-op threads in whichever
+        # thread assembles the batch.
+        buf, count = self.images.numpy(), int(self.ok.sum())
+        buf[:count] = buf[self.ok]
+        return make_batch(self.images[:count], labels[self.ok], self.bad)
 
 
 def make_batch(

@@ -98,7 +98,7 @@ def test_all_modes_yield_identical_batches(data_root, tmp_path):
         construct_train_loader(_cfg(data_root, tmp_path, DATA_LOADER__NUM_WORKERS=0)), 2
     )
     assert len(threads) == len(inline) == 4
-    for mode in ("spdl", "processes"):
+    for mode in ("spdl", "processes", "subprocess"):
         cfg = _cfg(data_root, tmp_path, DATA_LOADER__MODE=mode)
         other = one_epoch(construct_train_loader(cfg), 2)
         assert len(other) == 4
@@ -107,7 +107,7 @@ def test_all_modes_yield_identical_batches(data_root, tmp_path):
             assert torch.equal(x, s) and torch.equal(y, t)
 
 
-@pytest.mark.parametrize("mode", ["threads", "spdl", "processes"])
+@pytest.mark.parametrize("mode", ["threads", "spdl", "processes", "subprocess"])
 def test_with_plan_yields_the_fixed_batches_in_that_mode(data_root, tmp_path, mode):
     loader = construct_train_loader(_cfg(data_root, tmp_path))
     plan = [np.array([5, 0, 17]), np.array([3, 3])]
@@ -168,7 +168,7 @@ def _corrupt(root, tmp_path):
     return bad_root, victim
 
 
-@pytest.mark.parametrize("mode", ["threads", "spdl", "processes"])
+@pytest.mark.parametrize("mode", ["threads", "spdl", "processes", "subprocess"])
 def test_corrupt_images_skipped_counted_logged(tmp_path, caplog, mode):
     bad_root, victim = _corrupt(None, tmp_path)
     cfg = _cfg(bad_root, tmp_path, TRAIN__BATCH_SIZE=17, DATA_LOADER__MAX_BAD_FRAC=0.2)
