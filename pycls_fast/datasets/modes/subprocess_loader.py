@@ -29,6 +29,7 @@ when this process closes the loader, exits, or is killed (their socket closes).
 """
 
 import collections
+import contextlib
 import logging
 import mmap
 import os
@@ -266,7 +267,8 @@ class SubprocessLoader:
         finally:
             if not finished:
                 for child in self.children:
-                    child.send(("stop", token))
+                    with contextlib.suppress(LoaderProcessError):  # already ended
+                        child.send(("stop", token))
 
     def _next_batch(self, child: _Child, token: int, seq: int) -> Batch:
         while True:
