@@ -785,6 +785,12 @@ _key("DATA_LOADER.SUBPROCESSES", 1, ge=1)
 # pycls_fast: abort when more than this fraction of images fail to decode
 _key("DATA_LOADER.MAX_BAD_FRAC", 0.01, ge=0, lt=1)
 
+# pycls_fast: in training, give a bad image's place in its batch to another image
+# (drawn from RNG_SEED, the epoch and the image; still counted and logged as bad), so
+# every batch has TRAIN.BATCH_SIZE images: the static shapes that CUDA graphs and
+# compiled steps want; False drops it (its batch is one image smaller)
+_key("DATA_LOADER.REPLACE_BAD", False)
+
 # pycls_fast: batches decoded or being decoded ahead of the training step, per process
 # (at least one per worker plus one)
 _key("DATA_LOADER.PREFETCH", 4, gt=0)

@@ -52,8 +52,9 @@ class ImageLoader:
     `plan(epoch)` returns the epoch's batches as index arrays; `mode` is 'threads',
     'spdl', 'processes' or 'subprocess' (`subprocesses` child processes, started at
     the first epoch and ended by `close`, or when the loader is collected or the
-    process exits). A bad image is skipped (its batch is one smaller), logged
-    with its path and counted; more than `max_bad_frac` of the epoch's images aborts
+    process exits). A bad image is skipped (its batch is one smaller; or another
+    image takes its place: the decoder's `replace_bad`), logged with its path and
+    counted; more than `max_bad_frac` of the epoch's images aborts
     the epoch with BadImagesError. A batch whose images all fail is yielded empty
     (B = 0), so that every rank yields one batch per planned batch; with `drop_empty`
     it is not yielded (evaluation, where an empty batch would only turn the metrics
@@ -272,6 +273,7 @@ def _decoder(cfg, index, train, im_size=None):
         im_size or cfg.TRAIN.IM_SIZE,
         cfg.RNG_SEED,
         pin_memory=cfg.DATA_LOADER.PIN_MEMORY and torch.cuda.is_available(),
+        replace_bad=train and cfg.DATA_LOADER.REPLACE_BAD,
     )
 
 

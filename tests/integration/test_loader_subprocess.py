@@ -55,9 +55,7 @@ def _alive(pid):
         return False
 
 
-def test_group_sigterm_checkpoints_and_resumes_to_the_threads_weights(
-    digits, tmp_path
-):
+def test_group_sigterm_checkpoints_and_resumes_to_the_threads_weights(digits, tmp_path):
     threads_out, out = tmp_path / "threads", tmp_path / "subprocess"
     reference = _start(digits, threads_out, "threads")
     _, err = reference.communicate(timeout=300)
@@ -97,4 +95,3 @@ def test_a_killed_trainer_leaves_no_loader_process_and_no_shared_memory(
     assert not _alive(child)
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert after <= shm
-
