@@ -54,7 +54,8 @@ from pycls_fast.components.precision import (
 )
 from pycls_fast.components.precision import autocast as amp_autocast
 from pycls_fast.config import pp_microbatches, with_overrides
-from pycls_fast.engine.trainer import build_components, train_step
+from pycls_fast.engine.model_setup import build_components
+from pycls_fast.engine.step import train_step
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
 from pycls_fast.models.attention import resolve_kernel

@@ -22,8 +22,9 @@ from pycls_fast.components.precision import AmpMode, input_dtype
 from pycls_fast.config import with_overrides
 from pycls_fast.datasets.formats.synthetic import make_image_folder
 from pycls_fast.datasets.loader import ImageLoader, construct_train_loader
-from pycls_fast.engine.trainer import Components, eval_forward, train_step
-from pycls_fast.engine.trainer import forward_backward as trainer_forward_backward
+from pycls_fast.engine.model_setup import Components
+from pycls_fast.engine.step import eval_forward, train_step
+from pycls_fast.engine.step import forward_backward as trainer_forward_backward
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
