@@ -273,7 +273,8 @@ def _decoder(cfg, index, train, im_size=None):
         im_size or cfg.TRAIN.IM_SIZE,
         cfg.RNG_SEED,
         pin_memory=cfg.DATA_LOADER.PIN_MEMORY and torch.cuda.is_available(),
-        replace_bad=train and cfg.DATA_LOADER.REPLACE_BAD,
+        # CUDA graphs replay fixed shapes: every training batch keeps its size.
+        replace_bad=train and (cfg.DATA_LOADER.REPLACE_BAD or cfg.TRAIN.CUDA_GRAPHS),
     )
 
 

@@ -109,7 +109,7 @@ def dry_run(cfg: CfgNode, rank: int = 0) -> DryRunReport:
         )
         run_rank, run_world = 0, 1
         notes.append("DDP: run as one process at its share of the batch")
-    overrides = {"TRAIN.COMPILE": "off"}
+    overrides = {"TRAIN.COMPILE": "off", "TRAIN.CUDA_GRAPHS": False}
     if cfg.VIT.ATTENTION == "auto":
         # The kernel a GPU would run (SDPA: flash keeps no attention matrix), not
         # this CPU's measured choice.

@@ -112,6 +112,10 @@ def train_step(parts, inputs, targets, weight=1.0):
     flag, a 0-d float32 device tensor (1.0: the step was skipped), else None.
     Nothing is read back to the host (fp16 with a non-fused optimizer reads the
     flag)."""
+    if parts.cfg.TRAIN.CUDA_GRAPHS:
+        # The graphs' outputs of the step before (already read by the meters) may
+        # be overwritten from here on: the replays of this step begin.
+        torch.compiler.cudagraph_mark_step_begin()
     loss, logits = forward_backward(parts, inputs, targets, weight)
     if parts.master is not None:
         parts.master.grads_to_master()

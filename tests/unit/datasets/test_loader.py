@@ -301,3 +301,6 @@ def test_replaced_bad_images_keep_batches_full_and_counted(tmp_path, mode):
             assert batch[1][r] == labels[plan[r] % len(index)]
     # A test loader never replaces: every image is evaluated once, or not at all.
     assert not loader_module._decoder(cfg, index, train=False).replace_bad
+    # CUDA graphs replay fixed shapes: their training batches are always full.
+    cfg.DATA_LOADER.REPLACE_BAD, cfg.TRAIN.CUDA_GRAPHS = False, True
+    assert loader_module._decoder(cfg, index, train=True).replace_bad
