@@ -57,7 +57,8 @@ from pycls_fast.components.precision import (
 )
 from pycls_fast.components.precision import autocast as amp_autocast
 from pycls_fast.config import pp_microbatches, with_overrides
-from pycls_fast.engine.trainer import build_components, train_step
+from pycls_fast.engine.model_setup import build_components
+from pycls_fast.engine.step import train_step
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
 from pycls_fast.models.attention import resolve_kernel
@@ -111,7 +112,7 @@ def dry_run(cfg: CfgNode, rank: int = 0) -> DryRunReport:
         )
         run_rank, run_world = 0, 1
         notes.append("DDP: run as one process at its share of the batch")
-    overrides = {"TRAIN.COMPILE": "off"}
+    overrides = {"TRAIN.COMPILE": "off", "TRAIN.CUDA_GRAPHS": False}
     if cfg.VIT.ATTENTION == "auto":
         # The kernel a GPU would run (SDPA: flash keeps no attention matrix), not
         # this CPU's measured choice.
