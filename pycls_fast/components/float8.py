@@ -28,14 +28,13 @@ splits and all-gather the sequence-parallel activations in float8.
 """
 
 import dataclasses
-import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from yacs.config import CfgNode
 
-logger = logging.getLogger(__name__)
+from pycls_fast.errors import UserError
 
 # The encoder block's linear layers that become float8 (names relative to the block,
 # as models/vit.py names them).
@@ -57,6 +56,17 @@ FP8_EPS = {"e4m3": 2.0**-3, "e5m2": 2.0**-2}
 
 def fp8_enabled(cfg: CfgNode) -> bool:
     return bool(cfg.AMP.FP8)
+
+
+def require_torchao() -> None:
+    """UserError in one line when torchao (setup.py's extra 'fp8') is missing."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as e:
+        raise UserError(
+            f"AMP.FP8 True needs torchao ({e}): pip install 'torchao>=0.18' (the "
+            "package's extra 'fp8'; the locks pin it)"
+        ) from None
 
 
 def fp8_device_refusal(device: torch.device, emulate: bool) -> str | None:
@@ -210,6 +220,7 @@ def describe_float8(cfg: CfgNode, converted: list[str]) -> str:
 
 __all__ = [
     "FLOAT8_LAYERS",
+    "require_torchao",
     "FP8_EPS",
     "compile_warning",
     "convert_to_float8",

@@ -38,6 +38,7 @@ from pycls_fast.components.float8 import (
     float8_tp_styles,
     fp8_device_refusal,
     fp8_enabled,
+    require_torchao,
 )
 from pycls_fast.components.losses import build_loss
 from pycls_fast.components.meters import EpochMeter
@@ -123,6 +124,8 @@ def build_model_parts(
     to use in place of the config's (it is moved whole to `device`, then
     parallelized: for peer implementations in benchmarks)."""
     given = model is not None
+    if fp8_enabled(cfg):
+        require_torchao()
     if fp8_enabled(cfg) and not given:
         # A given model is the dry run's (fake tensors on the CPU device type,
         # standing for a GPU's) or a benchmark's peer: its device is not the run's.

@@ -236,3 +236,14 @@ def test_activation_checkpointing_recomputes_the_same_float8_casts():
     assert checkpointed[0] == plain[0]
     for key, value in plain[1].items():
         assert torch.equal(checkpointed[1][key], value), key
+
+
+def test_a_missing_torchao_is_one_line(monkeypatch):
+    import sys
+
+    from pycls_fast.components.float8 import require_torchao
+
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import fails
+    with pytest.raises(Exception) as e:
+        require_torchao()
+    assert exit_code(e.value) == 2 and "pip install 'torchao>=0.18'" in str(e.value)
