@@ -1,7 +1,8 @@
 """A float8 run's checkpoints (AMP.FP8, torchao's emulation) load into a bf16 run
-and back, as files and as sharded (DCP) directories: the same tensors under the
-same names, whatever class holds them (under FSDP with tensorwise scaling the
-weights are torchao's float8 all-gather tensors)."""
+and back, and into an export's fp32 model, as files and as sharded (DCP)
+directories: the same tensors under the same names, whatever class holds them
+(under FSDP with tensorwise scaling the weights are torchao's float8 all-gather
+tensors)."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from pycls_fast.checkpoint import manager
 from pycls_fast.config import load_cfg
 from pycls_fast.engine import timing
 from pycls_fast.engine.trainer import build_components, seed_everything, train_step
+from pycls_fast.export.source import load_source
 from pycls_fast.launch.processes import init_single_process_group
 from pycls_fast.parallel.tensor_parallel import canonical_state_dict
 from tests.helpers import TINY
@@ -56,6 +58,11 @@ def test_float8_checkpoints_load_into_bf16_and_back(fsdp, tmp_path):
         assert loaded.keys() == saved.keys()
         for key, value in saved.items():
             assert torch.equal(loaded[key], value), key
+        # An export's model (export/source.py): plain fp32 layers, the same values.
+        exported = load_source(float8, path).model
+        assert type(exported.encoder.block_0.mlp_block.linear_1) is torch.nn.Linear
+        for key, value in exported.state_dict().items():
+            assert torch.equal(value, saved[key].float()), key
         # And back: a bf16 step's checkpoint into a float8 run.
         x, y = timing.synthetic_batch(into_bf16, 4, bf16.TRAIN.IM_SIZE)
         train_step(into_bf16, x, y)
