@@ -848,8 +848,9 @@ _key("AMP.FP8", False)
 # scale per row, e4m3 throughout; more accurate, a little slower)
 _key("AMP.FP8_RECIPE", "tensorwise", choices=["tensorwise", "rowwise"])
 
-# AMP.FP8's matmuls emulated in fp32 from the float8 values (torchao's emulate): the
-# same numbers on any device, no speed-up. For tests on CPUs and GPUs without float8
+# AMP.FP8's matmuls emulated (torchao's emulate): the float8 values multiplied in
+# fp32, so float8's roundings without float8 kernels, on any device; no speed-up. For
+# tests on CPUs and GPUs without float8
 _key("AMP.FP8_EMULATE", False)
 
 
