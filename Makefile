@@ -192,13 +192,16 @@ bench-checkpoint: setup
 bench-gpu: setup
 	PY=$(PY) PATH=$(abspath $(VENV))/bin:$$PATH bash benchmarks/gpu_node.sh out/bench/gpu_node
 
-# torchao for a GPU node that reaches no package registry and keeps its own torch
-# (2.11, Python 3.12 when last seen): its wheel into build/wheels/, which
-# benchmarks/gpu_node.sh installs from when present (docs/PERFORMANCE.md "float8").
-# torchao 0.18.0 is built against torch 2.11; its abi3 wheel takes Python 3.10+.
+# The packages a GPU node without a package registry lacks, for its own torch (2.11,
+# Python 3.12 when last seen): wheels into build/wheels/ (about 17 MB), which
+# benchmarks/gpu_node.sh installs first when present (docs/PERFORMANCE.md, "First
+# measurements on a GPU"). torchao 0.18.0 is built against torch 2.11 (abi3 wheel).
+GPU_WHEELS := torchao==0.18.0 spdl==0.8.0 spdl_core==0.8.0 spdl_io==0.8.0 \
+	yacs==0.1.8 submitit==1.5.4 cloudpickle==3.1.2
 gpu-wheels: setup
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
-		--platform manylinux_2_28_x86_64 torchao==0.18.0 -d build/wheels
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+		$(GPU_WHEELS) -d build/wheels
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,7 +1,8 @@
 """Float8 training (AMP.FP8) against bf16 on one GPU: step speed, MFU and loss.
 
     python -m benchmarks.fp8 [--cfgs CFG ...] [--batch 64] [--rounds 3]
-        [--iters 5] [--loss-steps 200] [--out-dir out/bench/fp8] [KEY VALUE ...]
+        [--iters 5] [--loss-steps 200] [--loss-cfgs CFG ...] [--out-dir out/bench/fp8]
+        [KEY VALUE ...]
 
 For each config (default configs/vit/ViT-L-16.yaml and ViT-H-14.yaml): bf16
 (AMP.MODE O1), float8 'tensorwise' and float8 'rowwise', all with TRAIN.COMPILE
@@ -11,7 +12,9 @@ per-round ratios to bf16), its MFU taken against the device's bf16 dense peak (a
 torchtitan reports float8's). Then each variant trains `--loss-steps` steps from
 the same initial weights on the same stream of synthetic batches that carry a
 class signal (a fixed random pattern per class under noise), and the mean loss of
-the last tenth of the steps is compared with bf16's (the goal: within 1%). Writes
+the last tenth of the steps is compared with bf16's (the goal: within 1%); the
+models timed are reset to their initial weights for it, not built again
+(`--loss-cfgs`: the configs whose curves are run, default all). Writes
 fp8.json and the table fp8.md to --out-dir (benchmarks/gpu_node.sh runs it as its
 fp8 step). `--emulate` runs torchao's fp32 emulation, for the CPU smoke test (no
 speed-up to measure).
@@ -72,9 +75,16 @@ def build(cfg_file: str, opts: list[str], variant: list[str], batch: int):
     return cfg, build_components(cfg, loaders=False)
 
 
-def bench_config(cfg_file, opts, args, device):
-    """{variant: {img_per_s, mfu, ratio, loss_tail}} for one config."""
+def bench_config(cfg_file, opts, args, device, losses=True):
+    """{variant: {img_per_s, mfu, ratio[, loss_tail]}} for one config; the loss
+    curves when `losses`."""
     built = {name: build(cfg_file, opts, v, args.batch) for name, v in VARIANTS.items()}
+    # The initial weights, on the host: the loss curves start from them again
+    # after the timed steps, without building (and compiling) the models twice.
+    initial = {
+        name: {k: v.detach().cpu().clone() for k, v in p.model.state_dict().items()}
+        for name, (_, p) in built.items()
+    }
     cfg = built["bf16"][0]
     dtype = torch.float32
     x, y = class_batch(0, args.batch, cfg, device, dtype)
@@ -98,23 +108,23 @@ def bench_config(cfg_file, opts, args, device):
         speedup = statistics.median(per_round_ratios(rounds_b, rounds_t))
         mfu = Throughput(flops, 1, peak).fields(img_per_s)["mfu"]
         out[name] = {"img_per_s": img_per_s, "mfu": mfu, "speedup": speedup}
-    cfgs = {name: c for name, (c, _) in built.items()}
-    built.clear()  # one model on the device at a time from here
     steps.clear()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    for name, variant_cfg in cfgs.items():
-        # The loss curves: the same initial weights and batches for every variant.
-        _, parts = build(cfg_file, opts, VARIANTS[name], args.batch)
-        losses = []
+    if not losses:
+        return out
+    for name, (variant_cfg, parts) in built.items():
+        # The loss curves: the same initial weights and batches for every variant,
+        # a fresh optimizer state (the timed steps' is dropped).
+        parts.model.load_state_dict(initial.pop(name))
+        parts.optimizer.state.clear()
+        curve = []
         for step in range(args.loss_steps):
             xs, ys = class_batch(step, args.batch, variant_cfg, device, dtype)
             loss, _, _ = train_step(parts, xs, ys)
-            losses.append(float(loss))
-        tail = losses[-max(1, args.loss_steps // 10) :]
-        out[name]["losses"] = losses
+            curve.append(loss.detach())
+        curve = [float(v) for v in torch.stack(curve).cpu()]  # one host read
+        tail = curve[-max(1, args.loss_steps // 10) :]
+        out[name]["losses"] = curve
         out[name]["loss_tail"] = sum(tail) / len(tail)
-        del parts
     for name in VARIANTS:
         out[name]["loss_vs_bf16"] = out[name]["loss_tail"] / out["bf16"]["loss_tail"]
     return out
@@ -132,9 +142,14 @@ def table(results: dict, device_name: str) -> str:
     for cfg_file, rows in results.items():
         model = os.path.splitext(os.path.basename(cfg_file))[0]
         for name, r in rows.items():
+            loss = (
+                f"{r['loss_tail']:.4f} | {r['loss_vs_bf16']:.4f}"
+                if "loss_tail" in r
+                else "- | -"
+            )
             lines.append(
                 f"| {model} | {name} | {r['img_per_s']:.1f} | {r['speedup']:.3f} "
-                f"| {r['mfu']:.3f} | {r['loss_tail']:.4f} | {r['loss_vs_bf16']:.4f} |"
+                f"| {r['mfu']:.3f} | {loss} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -147,6 +162,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--loss-steps", type=int, default=200)
+    parser.add_argument(
+        "--loss-cfgs", nargs="+", default=None, help="the loss curves of these only"
+    )
     parser.add_argument("--out-dir", default="out/bench/fp8")
     parser.add_argument(
         "--emulate", action="store_true", help="torchao's fp32 emulation (CPU)"
@@ -157,7 +175,10 @@ def main() -> None:
     if args.emulate:
         opts += ["AMP.FP8_EMULATE", "True", "TRAIN.COMPILE", "off"]
     device = distributed.device()
-    results = {c: bench_config(c, opts, args, device) for c in args.cfgs}
+    loss_cfgs = args.cfgs if args.loss_cfgs is None else args.loss_cfgs
+    results = {
+        c: bench_config(c, opts, args, device, losses=c in loss_cfgs) for c in args.cfgs
+    }
     name = (
         torch.cuda.get_device_name(device)
         if device.type == "cuda"

@@ -1,29 +1,34 @@
 #!/usr/bin/env bash
 # Every open GPU question in one command (docs/PERFORMANCE.md, "First measurements on
 # a GPU" and the sections after it), most important first, in about 8 minutes on one
-# H100; a phase that would not fit the budget left (BUDGET_S, 480) is skipped and
+# H100; a phase that would not fit the budget left (BUDGET_S, 510) is skipped and
 # says so. Logs and figures go to $OUT_DIR (default out/bench/gpu_node).
 #
 #   bash benchmarks/gpu_node.sh [OUT_DIR]        # or: make bench-gpu
 #   FULL=1 bash benchmarks/gpu_node.sh           # also the first session's phases
 #
+# A node that reaches no package registry: `make gpu-wheels` here first, carry
+# build/wheels with the checkout, run with the node's python (PY=python3): the
+# wheels are installed, and the package is imported from this checkout.
+#
 # Phases, in order:
 #   check_node   the node's health: device, AMP modes' losses (CHECKS)
 #   images       photo-like JPEGs, 10 classes x IMAGES (no class signal: speed only)
 #   real_O3      a real run against its step (benchmarks/real_run.py): loader modes
-#                (REAL_MODES) x recipes (RECIPES) at O3, plus one cell with CUDA
-#                graphs; the slowest cell profiled (trace + operator table)
-#   real_O1      the same at O1, fewer cells
+#                (REAL_MODES) x recipes (RECIPES: DeiT's) at O3, plus one cell with
+#                CUDA graphs; the slowest cell profiled (trace + operator table)
+#   real_pycls   the same with pycls's recipe (AutoAugment), PYCLS_MODES
+#   fp8          float8 vs bf16 (benchmarks/fp8.py: ViT-L/16 and ViT-H/14 steps,
+#                ViT-L/16's loss curves; GPUs with fp8 matmuls)
+#   real_O1      the same as real_O3 at O1, fewer cells (O1_MODES)
 #   loader       the loader alone, per mode, on the node's cores (benchmarks/loader.py)
-#   fp8          float8 vs bf16 (benchmarks/fp8.py; torchao from build/wheels, made by
-#                `make gpu-wheels`, when the node lacks it; GPUs with fp8 matmuls)
 #   with FULL=1: time_net in each AMP mode (MODES) and compiled, the distributed
 #   ladder, a short train_net run per AMP mode (the first session's measurements)
 #
 # Smaller runs (tests/integration/test_gpu_node.py runs it on a CPU this way): CFG,
 # BATCH (128), STEPS (timed steps per real-run cell, 200), WARMUP (20), IMAGES (320),
-# REAL_MODES ("threads subprocess processes"), O1_MODES ("threads subprocess"),
-# RECIPES ("pycls deit"), GRAPHS (1: the
+# REAL_MODES ("threads subprocess processes"), PYCLS_MODES ("threads subprocess"; ""
+# skips), O1_MODES ("subprocess"), RECIPES ("deit"), GRAPHS (1: the
 # CUDA graphs cell), CHECKS, LOADER (1: the loader phase), FP8 (1), and for FULL:
 # MODES ("fp32 O1 O2 O3"), SECONDS_EACH (30), COMPILE (1), EPOCHS (3), LARGE (256),
 # ROUNDS (3), ITERS (5).
@@ -35,13 +40,14 @@ STEPS=${STEPS:-200}
 WARMUP=${WARMUP:-20}
 IMAGES=${IMAGES:-320}
 REAL_MODES=${REAL_MODES:-threads subprocess processes}
-O1_MODES=${O1_MODES:-threads subprocess}
-RECIPES=${RECIPES:-pycls deit}
+PYCLS_MODES=${PYCLS_MODES-threads subprocess}
+O1_MODES=${O1_MODES:-subprocess}
+RECIPES=${RECIPES:-deit}
 GRAPHS=${GRAPHS:-1}
 CHECKS=${CHECKS:-device,amp}
 LOADER=${LOADER:-1}
 FP8=${FP8:-1}
-BUDGET_S=${BUDGET_S:-480}
+BUDGET_S=${BUDGET_S:-510}
 FULL=${FULL:-0}
 MODES=${MODES:-fp32 O1 O2 O3}
 SECONDS_EACH=${SECONDS_EACH:-30}
@@ -56,9 +62,11 @@ NPROC=${NPROC:-$($PY -c "import torch; print(max(torch.cuda.device_count(), 1))"
 WORKERS=${WORKERS:-$(( $(nproc) / NPROC - 2 > 1 ? $(nproc) / NPROC - 2 : 1 ))}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
+# The package from this checkout, installed or not (a node's own python).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Wheels carried to a node that reaches no package registry (`make gpu-wheels`).
 if ls build/wheels/*.whl >/dev/null 2>&1; then
-  $PY -m pip install --quiet --no-index --find-links build/wheels build/wheels/*.whl \
+  $PY -m pip install --quiet --no-deps --no-index build/wheels/*.whl \
     > "$OUT_DIR/wheels.log" 2>&1 || echo "gpu_node: wheel install failed, see $OUT_DIR/wheels.log"
 fi
 
@@ -90,17 +98,22 @@ GRAPHS_CELL=()
 REAL=(--cfg "$CFG" --data "$OUT_DIR/images" --steps "$STEPS" --warmup "$WARMUP"
   NUM_GPUS 1 TRAIN.BATCH_SIZE "$BATCH" MODEL.NUM_CLASSES 10
   DATA_LOADER.NUM_WORKERS "$WORKERS")
-phase real_O3 240 $PY -m benchmarks.real_run --amp O3 --modes "$(csv $REAL_MODES)" \
+phase real_O3 150 $PY -m benchmarks.real_run --amp O3 --modes "$(csv $REAL_MODES)" \
   --recipes "$(csv $RECIPES)" "${GRAPHS_CELL[@]}" --out "$OUT_DIR/real_O3" "${REAL[@]}"
-phase real_O1 90 $PY -m benchmarks.real_run --amp O1 --modes "$(csv $O1_MODES)" \
-  --recipes deit --profile-steps 0 --out "$OUT_DIR/real_O1" "${REAL[@]}"
-if [ "$LOADER" = 1 ]; then
-  phase loader 60 $PY -m benchmarks.loader --data "$OUT_DIR/images" \
-    --images $(( 10 * IMAGES < 1024 ? 10 * IMAGES : 1024 )) \
-    --batch-size "$BATCH" --workers "$WORKERS" --rounds 1 --no-memory --max-tries 1 --json
+if [ -n "$PYCLS_MODES" ]; then
+  phase real_pycls 60 $PY -m benchmarks.real_run --amp O3 --modes "$(csv $PYCLS_MODES)" \
+    --recipes pycls --profile-steps 0 --out "$OUT_DIR/real_pycls" "${REAL[@]}"
 fi
 if [ "$FP8" = 1 ] && $PY -c "import torch,sys; sys.exit(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)))"; then
-  phase fp8 150 $PY -m benchmarks.fp8 --out-dir "$OUT_DIR/fp8"
+  phase fp8 210 $PY -m benchmarks.fp8 --loss-cfgs configs/vit/ViT-L-16.yaml \
+    --out-dir "$OUT_DIR/fp8"
+fi
+phase real_O1 50 $PY -m benchmarks.real_run --amp O1 --modes "$(csv $O1_MODES)" \
+  --recipes deit --profile-steps 0 --out "$OUT_DIR/real_O1" "${REAL[@]}"
+if [ "$LOADER" = 1 ]; then
+  phase loader 45 $PY -m benchmarks.loader --data "$OUT_DIR/images" \
+    --images $(( 10 * IMAGES < 1024 ? 10 * IMAGES : 1024 )) \
+    --batch-size "$BATCH" --workers "$WORKERS" --rounds 1 --no-memory --max-tries 1 --json
 fi
 if [ "$FULL" = 1 ]; then
   for m in $MODES; do

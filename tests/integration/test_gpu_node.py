@@ -23,6 +23,7 @@ def test_gpu_node_script_runs_every_phase(tmp_path):
         "WARMUP": "1",
         "IMAGES": "4",
         "REAL_MODES": "threads subprocess",
+        "PYCLS_MODES": "",  # the same code as real_O3's cells
         "O1_MODES": "subprocess",
         "RECIPES": "crop-flip",
         "GRAPHS": "0",
@@ -61,7 +62,7 @@ def test_gpu_node_script_skips_what_the_budget_cannot_hold(tmp_path):
     assert run.returncode == 0
     skipped = re.findall(r"gpu_node: (\S+) skipped: ~(\d+) s", run.stdout)
     assert [name for name, _ in skipped] == [
-        "check_node", "images", "real_O3", "real_O1", "loader",
+        "check_node", "images", "real_O3", "real_pycls", "real_O1", "loader",
     ]  # fmt: skip
 
 
@@ -80,8 +81,9 @@ def test_gpu_node_script_fails_when_a_phase_fails(tmp_path):
     )  # fmt: skip
     assert run.returncode == 1
     assert re.findall(r"gpu_node: (\S+) exit (\d+) in", run.stdout) == [
-        ("check_node", "1"), ("images", "1"), ("real_O3", "1"), ("real_O1", "1"),
-        ("loader", "1"), ("time_O1", "1"), ("ladder", "3"), ("train_O1", "3"),
+        ("check_node", "1"), ("images", "1"), ("real_O3", "1"), ("real_pycls", "1"),
+        ("real_O1", "1"), ("loader", "1"), ("time_O1", "1"), ("ladder", "3"),
+        ("train_O1", "3"),
     ]  # fmt: skip
 
 
