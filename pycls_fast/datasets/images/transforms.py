@@ -183,7 +183,9 @@ def one_intra_op_thread() -> None:
     The augmentations' tensors are large enough for torch to split each op over its
     intra-op threads: every decoding thread would then start a team of its own,
     oversubscribing the cores (and a process forked afterwards can hang in OpenMP).
-    With torch's OpenMP backend the setting is this thread's own.
+    With torch's OpenMP backend the setting is this thread's own, but torch also keeps
+    it as the default of threads that start torch work later; TrainTransform's
+    constructor settles the constructing (main) thread's own first.
     """
     if _intra_op.one or threading.current_thread() is threading.main_thread():
         return
@@ -216,6 +218,8 @@ class TrainTransform:
             )
         self.out_size = (im_size, im_size)
         self.tensor = augment_backend == "tensor"
+        if self.tensor:
+            torch.get_num_threads()  # settles this thread's intra-op threads
         self.augment = make_augment(augment, im_size, augment_interpolation)
         if self.tensor and self.augment is not None:
             self.augment = policies.from_timm(self.augment)
