@@ -1,20 +1,25 @@
 """Pillow's affine warps on uint8 (H, W, 3) RGB tensors: `Image.transform(AFFINE)` and
 `Image.rotate` with bilinear or bicubic resampling and a fill colour, as timm's
-rotate, shear and translate ops call them, written with torch ops that release the
-GIL.
+rotate, shear and translate ops call them, without holding the GIL for their work.
 
 Pillow maps each output pixel centre (x + 0.5, y + 0.5) through the matrix in double
 precision, fills the pixel when the source point lies outside [0, W) x [0, H), and
 otherwise interpolates the source around it (edges extended) with its bilinear or its
-bicubic (a = -1) kernel, then truncates. Here the source points, which pixels are
-filled and the kernel's taps are Pillow's, computed the same way; the interpolation
-runs in float32, which moves a value by less than 1e-3 (255 times a few float32
-roundings of weights below 1.6 in sum), so a pixel differs from Pillow's by at most 1,
-and only where Pillow's double value lies that close to an integer.
+bicubic (a = -1) kernel, then truncates.
 
-Shears and translations move each row (or column) by one offset: they interpolate
-along that axis once with the row's weights and then shift the rows by a single gather
-(`_shift_lines`); rotations interpolate every pixel from its own 2 x 2 or 4 x 4 taps.
+Shears and translations move each row (or column) by one offset. They are torch ops:
+one interpolation along the axis with each line's weights, then one gather that shifts
+the lines (`_shift_lines`), several times cheaper than Pillow's per-pixel loop. The
+source points and the filled pixels are Pillow's (its double arithmetic); the
+interpolation runs in float32, which moves a value by less than 1e-3 (255 times a few
+float32 roundings of weights below 1.5 in sum), so a pixel differs from Pillow's by at
+most 1, and only where Pillow's double value lies that close to an integer.
+
+Rotations (and any other matrix) need 4 or 16 taps gathered per pixel with per-pixel
+weights: torch ops take about three times Pillow's CPU for that (docs/PERFORMANCE.md,
+"Augmentation cost per recipe"). They run Pillow's own C transform, whose loop
+releases the GIL, between this thread's RGBX buffers (`pillow_transform`): the same
+pixels, exactly.
 """
 
 import math
@@ -22,20 +27,37 @@ import threading
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+from PIL import Image
 
 BILINEAR = 2  # PIL.Image.Resampling.BILINEAR
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
 # Edge pixels added on each side of the source: the bicubic taps of an inside point
 # reach two pixels past the edge.
 _PAD = 2
+# Interpolation weights of the taps as polynomials in the fraction d: tap weights =
+# coefficients @ (1, d, d^2, d^3). Bilinear: taps 0, 1 of the anchor; bicubic (a = -1,
+# Geometry.c's BICUBIC): taps -1, 0, 1, 2.
+_KERNELS = {
+    BILINEAR: np.array([[1.0, -1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]),
+    BICUBIC: np.array(
+        [
+            [0.0, -1.0, 2.0, -1.0],
+            [1.0, 0.0, -2.0, 1.0],
+            [0.0, 1.0, 1.0, -1.0],
+            [0.0, 0.0, -1.0, 1.0],
+        ]
+    ),
+}
 
 
 class _Scratch(threading.local):
-    """Per-thread shift buffers with their fill margins, one per shape and colour."""
+    """Per-thread buffers: the shifts' fill margins, the RGBX images of Pillow's
+    transforms, index ramps; one per shape (and colour)."""
 
     def __init__(self):
         self.lines = {}
+        self.rgbx = {}
+        self.ramps = {}
 
 
 _scratch = _Scratch()
@@ -44,6 +66,12 @@ _scratch = _Scratch()
 def _check(resample):
     if resample not in (BILINEAR, BICUBIC):
         raise ValueError(f"resample {resample!r}: BILINEAR (2) or BICUBIC (3)")
+
+
+def kernel_weights(d: np.ndarray, resample: int) -> np.ndarray:
+    """Pillow's interpolation weights (taps, len(d)) for fractions `d` (float64)."""
+    powers = np.asarray(d, dtype=np.float64)[None] ** np.arange(4)[:, None]
+    return _KERNELS[resample] @ powers
 
 
 def _padded(img: torch.Tensor, axis: int) -> torch.Tensor:
@@ -60,66 +88,49 @@ def _padded(img: torch.Tensor, axis: int) -> torch.Tensor:
     return out
 
 
-def kernel_weights(d: np.ndarray, resample: int) -> list[np.ndarray]:
-    """Pillow's interpolation weights of the taps at offsets 0, 1 (bilinear) or -1, 0,
-    1, 2 (bicubic, a = -1: Geometry.c's BICUBIC polynomial written per tap) from the
-    anchor, for fractional positions `d` (float64 array)."""
-    if resample == BILINEAR:
-        return [1 - d, d]
-    return [
-        d * (-1 + d * (2 - d)),
-        1 + d * d * (-2 + d),
-        d * (1 + d * (1 - d)),
-        d * d * (-1 + d),
-    ]
-
-
-def _interpolate_lines(
-    img: torch.Tensor, axis: int, frac: np.ndarray, resample: int
-) -> torch.Tensor:
-    """float32 values at anchors q = -1 .. n - 1 plus `frac` along `axis` (n + 1 of
-    them), each line of the other axis with its own fraction (`frac`: one per line, or
-    one for all). Taps beyond the edges repeat the edge pixel."""
+def _interpolate_lines(img, axis, frac, resample) -> torch.Tensor:
+    """float32 values at anchors q = -1 .. n - 1 plus the fraction along `axis` (n + 1
+    of them): `frac` is one fraction for all lines (a float) or one per line of the
+    other axis (float64 array). Taps beyond the edges repeat the edge pixel."""
     n = img.shape[axis]
     src = _padded(img, axis)
     first = _PAD - 1 if resample == BILINEAR else _PAD - 2  # tap 0 of anchor -1
-    frac = np.asarray(frac, dtype=np.float64)
+    weights = kernel_weights(frac, resample)  # (taps, lines)
+    if np.ndim(frac) == 0:
+        per_line = [float(w) for w in weights[:, 0]]
+    else:
+        weights = weights.astype(np.float32)
+        if axis == 0:  # one weight per column, spelled out per channel
+            weights = np.repeat(weights, 3, axis=1)
+        per_line = torch.from_numpy(weights)
+        per_line = per_line[:, :, None, None] if axis == 1 else per_line[:, None]
     out = None
-    for t, w in enumerate(kernel_weights(frac, resample)):
+    for t in range(len(weights)):
         tap = src.narrow(axis, first + t, n + 1)
-        if w.ndim == 0:
-            weight = float(w)
-        elif axis == 1:  # one weight per row
-            weight = torch.from_numpy(w.astype(np.float32)).view(-1, 1, 1)
-        else:  # one weight per column, spelled out per channel (see pixel_ops)
-            weight = torch.from_numpy(np.repeat(w.astype(np.float32), 3)).view(1, -1)
+        if axis == 0 and not isinstance(per_line, list):
             tap = tap.reshape(n + 1, -1)
+        w = per_line[t]
         if out is None:
-            out = torch.mul(tap, weight)
-        elif isinstance(weight, float):
-            out.add_(tap, alpha=weight)
+            out = torch.mul(tap, w)
+        elif isinstance(w, float):
+            out.add_(tap, alpha=w)
         else:
-            out.addcmul_(tap, weight)
-    if axis == 0:
-        out = out.view(n + 1, img.shape[1], 3)
-    return out
+            out.addcmul_(tap, w)
+    return out.view(src.shape[0] if axis == 1 else n + 1, -1, 3)
 
 
 def _valid_range(n: int, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per line, [lo, hi): the output positions i in [0, n) whose source coordinate
-    fl(i + 0.5 + shift) Pillow finds inside [0, n), computed in its double arithmetic
-    (rounding is monotone, so each set is an interval; the exact bounds are found by
-    testing the candidates next to the real-number ones)."""
-    shift = np.asarray(shift, dtype=np.float64)
-    lo = np.ceil(-0.5 - shift)
-    hi = np.ceil(n - 0.5 - shift)
-    for _ in range(2):  # each candidate is within one of the bound
-        lo = np.where((lo - 1 + 0.5) + shift >= 0, lo - 1, lo)
-        lo = np.where((lo + 0.5) + shift < 0, lo + 1, lo)
-        hi = np.where((hi - 1 + 0.5) + shift >= n, hi - 1, hi)
-        hi = np.where((hi + 0.5) + shift < n, hi + 1, hi)
-    lo = np.clip(lo, 0, n).astype(np.int64)
-    hi = np.clip(hi, 0, n).astype(np.int64)
+    """Per line, [lo, hi): the outputs i in [0, n) whose source coordinate
+    fl(i + 0.5 + shift) Pillow finds inside [0, n) (in its double arithmetic;
+    rounding is monotone, so each is an interval, and the real-number bounds are at
+    most one off the floating-point ones)."""
+    # Row 0: the lowest inside output (first with fl(i + 0.5 + shift) >= 0); row 1:
+    # the first outside one above (fl(i + 0.5 + shift) >= n).
+    edges = np.array([[0.0], [float(n)]])
+    bound = np.ceil(edges - 0.5 - shift)
+    bound -= (bound - 0.5) + shift >= edges
+    bound += (bound + 0.5) + shift < edges
+    lo, hi = np.clip(bound, 0, n).astype(np.int64)
     return lo, np.maximum(hi, lo)
 
 
@@ -133,28 +144,29 @@ def _warp_1d(img, axis, shift, resample, fill) -> torch.Tensor:
     the output's along the other axis."""
     _check(resample)
     n = img.shape[axis]
-    shift = np.asarray(shift, dtype=np.float64)
+    if np.ndim(shift) == 0:
+        whole = math.floor(shift)
+        lo, hi = (int(bound[0]) for bound in _valid_range(n, np.float64(shift)))
+        values = _interpolate_lines(img, axis, shift - whole, resample)
+        return _shift_all(values, axis, whole, lo, hi, fill)
     whole = np.floor(shift)
-    values = _interpolate_lines(img, axis, shift - whole, resample)
     lo, hi = _valid_range(n, shift)
-    # Output i's anchor is i + whole: index i + whole + 1 of `values`.
-    if shift.ndim == 0:
-        return _shift_all(values, axis, int(whole), int(lo), int(hi), fill)
+    values = _interpolate_lines(img, axis, shift - whole, resample)
     return _shift_lines(values, axis, whole.astype(np.int64), lo, hi, fill)
 
 
 def _shift_all(values, axis, whole, lo, hi, fill) -> torch.Tensor:
-    """Every line moved by `whole`: output [lo, hi) from `values`, the rest filled."""
+    """Every line moved by `whole`: output i is anchor i + whole (index i + whole + 1
+    of `values`) for i in [lo, hi); the rest is filled."""
     n = values.shape[axis] - 1
     shape = list(values.shape)
     shape[axis] = n
     out = torch.empty(shape, dtype=torch.uint8)
     colour = _fill_u8(fill)
-    if lo > 0:
-        out.narrow(axis, 0, lo).copy_(colour.expand(out.narrow(axis, 0, lo).shape))
-    if hi < n:
-        rest = out.narrow(axis, hi, n - hi)
-        rest.copy_(colour.expand(rest.shape))
+    for start, stop in ((0, lo), (hi, n)):
+        if stop > start:
+            part = out.narrow(axis, start, stop - start)
+            part.copy_(colour.expand(part.shape))
     if hi > lo:
         inside = values.narrow(axis, lo + whole + 1, hi - lo).clamp_(0, 255)
         out.narrow(axis, lo, hi - lo).copy_(inside.to(torch.int16))
@@ -177,44 +189,47 @@ def _lines_buffer(values_shape, axis, fill) -> tuple[torch.Tensor, int]:
     return buf, margin
 
 
+def _ramp(length: int) -> torch.Tensor:
+    ramp = _scratch.ramps.get(length)
+    if ramp is None:
+        ramp = _scratch.ramps[length] = torch.arange(length, dtype=torch.int32)
+    return ramp
+
+
 def _shift_lines(values, axis, whole, lo, hi, fill) -> torch.Tensor:
     """Line j moved by `whole[j]`: output i of line j is anchor i + whole[j] of
     `values` for i in [lo[j], hi[j]), the fill colour elsewhere. One gather from a
     buffer where `values` sits between fill margins: an output outside its line's
-    range lands in a margin or on one of the two end anchors, which are set to the
-    fill colour on the lines whose inside outputs do not use them."""
+    range lands in a margin or on one of the two end anchors (-1 and n - 1), which
+    are filled on the lines whose inside outputs do not use them."""
     n = values.shape[axis] - 1
+    lines = len(whole)
     buf, margin = _lines_buffer(values.shape, axis, fill)
     inside = buf.narrow(axis, margin, n + 1)
     inside.copy_(values.clamp_(0, 255).to(torch.int16))
-    # Anchor -1 serves an inside output only where lo + whole == -1, anchor n - 1 only
-    # where hi - 1 + whole == n - 1; elsewhere outputs beyond the range may read them.
-    lines = np.arange(len(whole))
-    first = lines[(lo + whole != -1)]
-    last = lines[(hi - 1 + whole != n - 1)]
-    colour = _fill_u8(fill)
-    if axis == 1:
-        inside[first, 0] = colour
-        inside[last, n] = colour
-    else:
-        inside[0, first] = colour
-        inside[n, last] = colour
-    whole = np.clip(whole, -(n + 1), n + 1)  # beyond that a line is all fill anyway
+    # The end anchors to fill: (line, anchor index margin or margin + n).
     line_len = buf.shape[axis]
-    if axis == 1:  # flat index: row j, column margin + 1 + i + whole[j], channel c
-        start = (lines * line_len + margin + 1 + whole) * 3
-        index = torch.from_numpy(start.astype(np.int32)).view(-1, 1)
-        index = index + torch.arange(n * 3, dtype=torch.int32)
-    else:  # row margin + 1 + i + whole[j] of column j
-        width = buf.shape[1]
-        start = (margin + 1 + whole) * width * 3
-        per_column = np.repeat(start + lines * 3, 3) + np.tile(np.arange(3), len(lines))
-        rows = torch.arange(n, dtype=torch.int32).view(-1, 1) * (width * 3)
-        index = rows + torch.from_numpy(per_column.astype(np.int32))
-    out = torch.index_select(buf.view(-1), 0, index.view(-1))
-    if axis == 1:
-        return out.view(len(lines), n, 3)
-    return out.view(n, len(lines), 3)
+    first = np.flatnonzero(lo + whole != -1)
+    last = np.flatnonzero(hi - 1 + whole != n - 1)
+    ends = np.concatenate((first, last))
+    anchors = np.repeat([margin, margin + n], [len(first), len(last)])
+    cells = ends * line_len + anchors if axis == 1 else anchors * lines + ends
+    if len(cells):
+        pixels = buf.view(-1, 3)
+        pixels.index_copy_(
+            0, torch.from_numpy(cells), _fill_u8(fill).expand(len(cells), 3)
+        )
+    whole = np.clip(whole, -(n + 1), n + 1)  # beyond that a line is all fill anyway
+    if axis == 1:  # row j's output i: column margin + 1 + i + whole[j]
+        start = (np.arange(lines) * line_len + margin + 1 + whole) * 3
+        index = torch.from_numpy(start.astype(np.int32)).view(-1, 1) + _ramp(n * 3)
+        return torch.index_select(buf.view(-1), 0, index.view(-1)).view(lines, n, 3)
+    # column j's output i: row margin + 1 + i + whole[j] (pixel index; its 3 bytes
+    # are gathered as one row of the (pixels, 3) view)
+    start = (margin + 1 + whole) * lines + np.arange(lines)
+    index = _ramp(n).view(-1, 1) * lines + torch.from_numpy(start.astype(np.int32))
+    pixels = torch.index_select(buf.view(-1, 3), 0, index.view(-1))
+    return pixels.view(n, lines, 3)
 
 
 def translate_x(img: torch.Tensor, pixels: float, resample: int, fill) -> torch.Tensor:
@@ -258,7 +273,7 @@ def rotation_matrix(degrees: float, width: int, height: int) -> list[float]:
 
 def rotate(img: torch.Tensor, degrees: float, resample: int, fill) -> torch.Tensor:
     """`img.rotate(degrees, resample, fillcolor=fill)` (counter-clockwise, about the
-    centre, same size), with Pillow's exact shortcuts for 0, 90, 180 and 270."""
+    centre, same size), with Pillow's shortcuts for 0, 90, 180 and 270."""
     angle = degrees % 360.0
     h, w = img.shape[:2]
     if angle == 0:
@@ -270,86 +285,42 @@ def rotate(img: torch.Tensor, degrees: float, resample: int, fill) -> torch.Tens
     return affine(img, rotation_matrix(degrees, w, h), resample, fill)
 
 
+def _rgbx_images(h, w):
+    """This thread's source and output RGBX images for Pillow's transform: PIL images
+    over uint8 (h, w, 4) tensors that share their memory."""
+    pair = _scratch.rgbx.get((h, w))
+    if pair is None:
+        pair = []
+        for _ in range(2):
+            pixels = np.empty((h, w, 4), dtype=np.uint8)
+            im = Image.frombuffer("RGBX", (w, h), pixels, "raw", "RGBX", 0, 1)
+            pair.append((torch.from_numpy(pixels), im))
+        _scratch.rgbx[(h, w)] = pair
+    return pair
+
+
+def pillow_transform(dst: Image.Image, src: Image.Image, matrix, resample) -> None:
+    """Pillow's affine transform of `src` into `dst` (same mode and size), leaving
+    the pixels whose source point lies outside as they are; its C loop releases the
+    GIL."""
+    size = dst.size
+    dst.im.transform((0, 0, *size), src.im, Image.Transform.AFFINE, matrix, resample, 0)
+
+
 def affine(img: torch.Tensor, matrix, resample: int, fill) -> torch.Tensor:
     """`img.transform(size, AFFINE, matrix, resample, fillcolor=fill)` for any matrix
     (a, b, c, d, e, f): the source of output (x, y) is (a x' + b y' + c, d x' + e y' +
-    f) with x' = x + 0.5, y' = y + 0.5."""
+    f) with x' = x + 0.5, y' = y + 0.5. Pillow's own transform, on RGBX copies."""
     _check(resample)
     h, w = img.shape[:2]
-    a, b, c, d, e, f = (float(v) for v in matrix[:6])
-    xc = np.arange(w, dtype=np.float64) + 0.5
-    yc = np.arange(h, dtype=np.float64)[:, None] + 0.5
-    # Pillow's order: (a x' + b y') + c, one rounding per operation.
-    xin = (a * xc + b * yc) + c
-    yin = (d * xc + e * yc) + f
-    inside = (xin >= 0) & (xin < w) & (yin >= 0) & (yin < h)
-    xs, ys = xin - 0.5, yin - 0.5
-    if resample == BILINEAR:
-        values = _bilinear(img, xs, ys)
-    else:
-        x0, y0 = np.floor(xs), np.floor(ys)
-        values = _bicubic(img, x0, y0, xs - x0, ys - y0)
-    if not inside.all():  # per channel: (v - fill) x inside + fill
-        keep = torch.from_numpy(inside.reshape(-1).astype(np.float32))
-        for c, colour in enumerate(fill):
-            values[c].sub_(float(colour)).mul_(keep).add_(float(colour))
-    planar = values.view(3, h, w).clamp_(0, 255).to(torch.int16)
-    return torch.empty(h, w, 3, dtype=torch.uint8).copy_(planar.permute(1, 2, 0))
+    (src, src_im), (dst, dst_im) = _rgbx_images(h, w)
+    src[..., :3].copy_(img)
+    dst.view(torch.int32).fill_(_packed(fill))
+    pillow_transform(dst_im, src_im, [float(v) for v in matrix[:6]], resample)
+    return torch.empty(h, w, 3, dtype=torch.uint8).copy_(dst[..., :3])
 
 
-def _bilinear(img, xs, ys) -> torch.Tensor:
-    """Bilinear values at (xs, ys) (pixel coordinates, centres at integers), edges
-    extended, float32 (3, h w): torch's grid sampler with border padding, which clamps
-    the coordinates as Pillow clamps the taps (and returns channels first)."""
-    h, w = img.shape[:2]
-    grid = np.stack(((2 * xs + 1) / w - 1, (2 * ys + 1) / h - 1), axis=-1)
-    grid = torch.from_numpy(grid.astype(np.float32))[None]
-    src = img.to(torch.float32).permute(2, 0, 1)[None]
-    out = F.grid_sample(src, grid, "bilinear", "border", align_corners=False)
-    return out.view(3, h * w)
-
-
-def _packed_source(img: torch.Tensor) -> torch.Tensor:
-    """`img` with _PAD edge pixels on every side, each pixel packed into one int32
-    (R | G << 8 | B << 16): flat (h + 4) x (w + 4), so that one gather fetches a whole
-    pixel."""
-    h, w = img.shape[:2]
-    hp, wp = h + 2 * _PAD, w + 2 * _PAD
-    rgbx = torch.zeros(hp, wp, 4, dtype=torch.uint8)
-    rgbx[_PAD:-_PAD, _PAD:-_PAD, :3] = img
-    packed = rgbx.view(torch.int32).view(hp, wp)
-    packed[_PAD:-_PAD, :_PAD] = packed[_PAD:-_PAD, _PAD : _PAD + 1]
-    packed[_PAD:-_PAD, -_PAD:] = packed[_PAD:-_PAD, -_PAD - 1 : -_PAD]
-    packed[:_PAD] = packed[_PAD : _PAD + 1]
-    packed[-_PAD:] = packed[-_PAD - 1 : -_PAD]
-    return packed.view(-1)
-
-
-def _bicubic(img, x0, y0, dx, dy) -> torch.Tensor:
-    """Pillow's bicubic (a = -1) values from the 4 x 4 taps around anchors (x0, y0)
-    with fractions (dx, dy), edges extended; float32 (3, h w), one row per channel.
-    Anchors of points outside the image are clamped (those pixels are filled
-    afterwards). Each tap is one gather of packed pixels, split into its channels, so
-    that every product runs along whole contiguous rows of h w values (a per-pixel
-    weight on the interleaved (h, w, 3) layout would be broadcast along its innermost
-    axis, which torch does not vectorize) and the working set stays small."""
-    h, w = img.shape[:2]
-    src = _packed_source(img)
-    wp = w + 2 * _PAD
-    x0 = np.clip(x0, -1, w - 1).reshape(-1)
-    y0 = np.clip(y0, -1, h - 1).reshape(-1)
-    corner = torch.from_numpy(((y0 + _PAD - 1) * wp + (x0 + _PAD - 1)).astype(np.int32))
-    wx = np.stack(kernel_weights(dx.reshape(-1), BICUBIC)).astype(np.float32)
-    wy = np.stack(kernel_weights(dy.reshape(-1), BICUBIC)).astype(np.float32)
-    wx, wy = torch.from_numpy(wx), torch.from_numpy(wy)
-    out = torch.zeros(3, h * w)
-    channel = torch.empty(h * w, dtype=torch.int32)
-    for j in range(4):
-        for i in range(4):
-            tap = torch.index_select(src, 0, corner + (j * wp + i))
-            weight = torch.mul(wx[i], wy[j])
-            for c in range(3):
-                torch.bitwise_and(tap, 255, out=channel)
-                out[c].addcmul_(channel.to(torch.float32), weight)
-                tap.bitwise_right_shift_(8)
-    return out
+def _packed(fill) -> int:
+    """The RGBX pixel of colour `fill` as one int32."""
+    r, g, b = (int(v) for v in fill)
+    return int(np.array([r, g, b, 255], dtype=np.uint8).view(np.int32)[0])
