@@ -200,7 +200,7 @@ def _images(args):
     from pycls_fast.datasets.formats.index import scan_split
     from pycls_fast.datasets.formats.synthetic import make_image_folder
 
-    per_class = 64
+    per_class = min(64, args.images)
     classes = -(-args.images // per_class)
     stamp = os.path.join(args.root, f".complete_imagenet_{classes}x{per_class}")
     if not os.path.exists(stamp):
