@@ -118,9 +118,9 @@ class AugmentReleasedTimer(ReleasedTimer):
 
     Tensor path: every `torch.*` call of the tensor modules and the tensor methods
     that compute (TENSOR_METHODS): their ATen loops run without the GIL (the calls'
-    argument parsing is counted too); and geometry_ops' `pillow_transform` (rotations:
-    Pillow's C loop). Views, indexing and the numpy on per-line vectors and small
-    tables are counted as held. PIL path:
+    argument parsing is counted too); and pillow_buffers' Pillow calls (rotations,
+    Gaussian blur: Pillow's C loops). Views, indexing and the numpy on per-line
+    vectors and small tables are counted as held. PIL path:
     the Pillow methods whose C work runs in an ImagingSection (decode, resize,
     transform, filter, point, convert, transpose, histogram, copy), their Python
     wrappers included. Blends (`Image.blend`, so ImageEnhance), `Image.merge` and the
@@ -131,9 +131,11 @@ class AugmentReleasedTimer(ReleasedTimer):
     """
 
     TARGETS = ReleasedTimer.TARGETS + (
-        ("pycls_fast.datasets.images.geometry_ops", "pillow_transform"),
+        ("pycls_fast.datasets.images.pillow_buffers", "transform_into"),
+        ("pycls_fast.datasets.images.pillow_buffers", "gaussian_blur_into"),
     )
     NAMESPACES = {
+        "pycls_fast.datasets.images.pillow_buffers": ("torch",),
         "pycls_fast.datasets.images.pixel_ops": ("torch",),
         "pycls_fast.datasets.images.geometry_ops": ("torch",),
         "pycls_fast.datasets.images.policies": ("torch",),

@@ -18,7 +18,7 @@ most 1, and only where Pillow's double value lies that close to an integer.
 Rotations (and any other matrix) need 4 or 16 taps gathered per pixel with per-pixel
 weights: torch ops take about three times Pillow's CPU for that (docs/PERFORMANCE.md,
 "Augmentation cost per recipe"). They run Pillow's own C transform, whose loop
-releases the GIL, between this thread's RGBX buffers (`pillow_transform`): the same
+releases the GIL, between this thread's RGBX buffers (pillow_buffers.py): the same
 pixels, exactly.
 """
 
@@ -27,7 +27,8 @@ import threading
 
 import numpy as np
 import torch
-from PIL import Image
+
+from pycls_fast.datasets.images import pillow_buffers
 
 BILINEAR = 2  # PIL.Image.Resampling.BILINEAR
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
@@ -51,12 +52,11 @@ _KERNELS = {
 
 
 class _Scratch(threading.local):
-    """Per-thread buffers: the shifts' fill margins, the RGBX images of Pillow's
-    transforms, index ramps; one per shape (and colour)."""
+    """Per-thread buffers: the shifts' fill margins and index ramps, one per shape
+    (and colour)."""
 
     def __init__(self):
         self.lines = {}
-        self.rgbx = {}
         self.ramps = {}
 
 
@@ -285,42 +285,15 @@ def rotate(img: torch.Tensor, degrees: float, resample: int, fill) -> torch.Tens
     return affine(img, rotation_matrix(degrees, w, h), resample, fill)
 
 
-def _rgbx_images(h, w):
-    """This thread's source and output RGBX images for Pillow's transform: PIL images
-    over uint8 (h, w, 4) tensors that share their memory."""
-    pair = _scratch.rgbx.get((h, w))
-    if pair is None:
-        pair = []
-        for _ in range(2):
-            pixels = np.empty((h, w, 4), dtype=np.uint8)
-            im = Image.frombuffer("RGBX", (w, h), pixels, "raw", "RGBX", 0, 1)
-            pair.append((torch.from_numpy(pixels), im))
-        _scratch.rgbx[(h, w)] = pair
-    return pair
-
-
-def pillow_transform(dst: Image.Image, src: Image.Image, matrix, resample) -> None:
-    """Pillow's affine transform of `src` into `dst` (same mode and size), leaving
-    the pixels whose source point lies outside as they are; its C loop releases the
-    GIL."""
-    size = dst.size
-    dst.im.transform((0, 0, *size), src.im, Image.Transform.AFFINE, matrix, resample, 0)
-
-
 def affine(img: torch.Tensor, matrix, resample: int, fill) -> torch.Tensor:
     """`img.transform(size, AFFINE, matrix, resample, fillcolor=fill)` for any matrix
     (a, b, c, d, e, f): the source of output (x, y) is (a x' + b y' + c, d x' + e y' +
     f) with x' = x + 0.5, y' = y + 0.5. Pillow's own transform, on RGBX copies."""
     _check(resample)
     h, w = img.shape[:2]
-    (src, src_im), (dst, dst_im) = _rgbx_images(h, w)
+    (src, src_im), (dst, dst_im) = pillow_buffers.rgbx_images(h, w)
     src[..., :3].copy_(img)
-    dst.view(torch.int32).fill_(_packed(fill))
-    pillow_transform(dst_im, src_im, [float(v) for v in matrix[:6]], resample)
-    return torch.empty(h, w, 3, dtype=torch.uint8).copy_(dst[..., :3])
-
-
-def _packed(fill) -> int:
-    """The RGBX pixel of colour `fill` as one int32."""
-    r, g, b = (int(v) for v in fill)
-    return int(np.array([r, g, b, 255], dtype=np.uint8).view(np.int32)[0])
+    dst.view(torch.int32).fill_(pillow_buffers.packed(fill))
+    matrix = [float(v) for v in matrix[:6]]
+    pillow_buffers.transform_into(dst_im, src_im, matrix, resample)
+    return pillow_buffers.rgb_from(dst)

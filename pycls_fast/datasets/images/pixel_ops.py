@@ -6,7 +6,8 @@ Each function returns the pixels that its Pillow counterpart returns for the sam
 conversion, `ImageFilter.GaussianBlur`): timm's AutoAugment / RandAugment ops and DeiT
 III's 3-Augment and colour jitter are built from these. They are written with torch
 ops, which release the GIL while they work, so the decoding threads that run them do not
-stop the training thread; Pillow holds it for parts of these operations.
+stop the training thread; Pillow holds it for parts of these operations (its blends,
+`Image.merge`, ImageStat's Python).
 
 How each stays equal to Pillow:
 - Lookup tables (posterize, solarize, autocontrast, equalize) are Pillow's own, built
@@ -19,8 +20,8 @@ How each stays equal to Pillow:
 - SMOOTH (Sharpness) is Pillow's float 3x3 kernel, whose value lies at least 1/26 from
   the next integer (the kernel's sum is 13, and 0.5 is added before truncating), so it
   equals the integer `(2 S + 13) // 26` of the weighted sum S.
-- Gaussian blur is Pillow's three box passes per axis in its 24-bit fixed point,
-  repeated with int32 halves of the products (its sums fit 32 unsigned bits only).
+- Gaussian blur runs Pillow's own C box passes on this thread's RGBX buffers
+  (pillow_buffers.py), which release the GIL.
 
 Work on whole contiguous tensors: on CPUs without vectorized paths for them, torch ops
 over strided channel slices or broadcasts along the 3-channel axis run several times
@@ -33,12 +34,13 @@ import threading
 import numpy as np
 import torch
 
+from pycls_fast.datasets.images import pillow_buffers
+
 # Pillow's ITU-R 601-2 luma in 16-bit fixed point (Convert.c, L24), as a (3, 3) matrix
 # whose every column holds the weights: (N, 3) @ it gives each pixel's L in all three
 # channels (the "L" image converted back to RGB).
 _LUMA_RGB = torch.tensor([19595.0, 38470.0, 7471.0])[:, None].expand(3, 3).contiguous()
 _SMOOTH_CENTER = 5  # ImageFilter.SMOOTH: ones around a 5, divided by 13
-BLUR_PASSES = 3  # ImageFilter.GaussianBlur: three box blurs per axis
 
 
 class _Patterns(threading.local):
@@ -224,64 +226,14 @@ def sharpness(img: torch.Tensor, factor: float) -> torch.Tensor:
     return out
 
 
-def gaussian_blur_box_radius(radius: float, passes: int = BLUR_PASSES) -> float:
-    """Pillow's `_gaussian_blur_radius`: the fractional box radius whose `passes` box
-    blurs approximate a Gaussian of `radius` (C float arithmetic, its double steps
-    where the C has them)."""
-    f = np.float32
-    sigma2 = f(f(radius) * f(radius)) / f(passes)
-    length = f(math.sqrt(12.0 * float(sigma2) + 1.0))
-    whole = f(math.floor((float(length) - 1.0) / 2.0))
-    frac = f(f(2) * whole + f(1)) * f(whole * f(whole + f(1)) - f(3) * sigma2)
-    frac = frac / (f(6) * f(sigma2 - f(whole + f(1)) * f(whole + f(1))))
-    return float(f(whole + frac))
-
-
 def gaussian_blur(img: torch.Tensor, radius: float) -> torch.Tensor:
-    """ImageFilter.GaussianBlur(radius): three box blurs along the width, then three
-    along the height, each rounded to 8 bits (Pillow's BoxBlur.c)."""
+    """ImageFilter.GaussianBlur(radius): Pillow's own box passes on this thread's
+    RGBX buffers (pillow_buffers.py; as torch ops, three rounded box passes per axis
+    took more CPU and many more Python calls than Pillow's C loop)."""
     if radius == 0:
         return img
-    box = gaussian_blur_box_radius(radius)
-    x = img.to(torch.int32)
-    for axis in (1, 0):
-        for _ in range(BLUR_PASSES):
-            x = _box_blur_pass(x, box, axis)
-    return x.to(torch.uint8)
-
-
-def _box_blur_pass(x: torch.Tensor, box: float, axis: int) -> torch.Tensor:
-    """One of Pillow's box blurs along `axis` of int32 (H, W, 3) `x` (values 0-255):
-    the sum of the 2r + 1 nearest pixels times ww plus the next two times fw, in 24-bit
-    fixed point, edges extended."""
-    r = int(box)
-    ww = int(np.float32(1 << 24) / (np.float32(box) * np.float32(2) + np.float32(1)))
-    fw = ((1 << 24) - (2 * r + 1) * ww) // 2
-    n = x.shape[axis]
-    pad = r + 1
-    shape = list(x.shape)
-    shape[axis] = n + 2 * pad
-    padded = torch.empty(shape, dtype=torch.int32)
-    padded.narrow(axis, pad, n).copy_(x)
-    edge = list(x.shape)
-    edge[axis] = pad
-    padded.narrow(axis, 0, pad).copy_(x.narrow(axis, 0, 1).expand(edge))
-    padded.narrow(axis, pad + n, pad).copy_(x.narrow(axis, n - 1, 1).expand(edge))
-    inner = padded.narrow(axis, 1, n).clone()
-    for k in range(2, 2 * r + 2):
-        inner.add_(padded.narrow(axis, k, n))
-    outer = padded.narrow(axis, 0, n) + padded.narrow(axis, 2 * r + 2, n)
-    # (inner ww + outer fw + 2^23) >> 24 needs 32 unsigned bits; halved, int32 holds
-    # it: (2a + b + 2^23) >> 24 = (a + 2^22 + (b >> 1)) >> 23 with a, b from the halves
-    # and the odd bits of ww and fw.
-    half_ww, odd_ww = divmod(ww, 2)
-    half_fw, odd_fw = divmod(fw, 2)
-    low = None
-    if odd_ww:
-        low = inner.clone()
-    if odd_fw:
-        low = outer.clone() if low is None else low.add_(outer)
-    out = inner.mul_(half_ww).add_(outer, alpha=half_fw).add_(1 << 22)
-    if low is not None:
-        out.add_(low.bitwise_right_shift_(1))
-    return out.bitwise_right_shift_(23)
+    h, w = img.shape[:2]
+    (src, src_im), (dst, dst_im) = pillow_buffers.rgbx_images(h, w)
+    src[..., :3].copy_(img)
+    pillow_buffers.gaussian_blur_into(dst_im, src_im, float(radius))
+    return pillow_buffers.rgb_from(dst)

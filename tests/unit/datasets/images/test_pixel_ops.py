@@ -141,14 +141,3 @@ def test_posterize_zero_bits_clears_every_bit():
     assert torch.equal(pixel_ops.posterize(t, 8), t)
     with pytest.raises(ValueError):
         ImageOps.posterize(Image.fromarray(IMAGES["photo"]), 0)
-
-
-def test_gaussian_blur_box_radius_is_pillows_float_arithmetic():
-    # Pillow's fractional box radius for 3 passes: sigma^2 = r^2 / 3, box length
-    # sqrt(12 sigma^2 + 1) (Gwosdek et al.): r = 2 gives l = 1 and a fraction below 1.
-    box = pixel_ops.gaussian_blur_box_radius(2.0)
-    sigma2 = 4.0 / 3
-    whole = 1
-    frac = (2 * whole + 1) * (whole * (whole + 1) - 3 * sigma2)
-    frac /= 6 * (sigma2 - (whole + 1) ** 2)
-    assert box == pytest.approx(whole + frac, rel=2**-22)
