@@ -194,6 +194,7 @@ def test_bench_loader_runs_every_mode_on_the_same_images(tmp_path):
         "ceiling",
         "threads",
         "spdl",
+        "subprocess",
         "threads-per-image",
         "processes",
     }
