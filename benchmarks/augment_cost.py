@@ -313,7 +313,7 @@ def op_costs(args, index) -> list[dict]:
 
     decoder = ImageDecoder(index, TrainTransform(args.im_size), args.im_size, seed=0)
     crops = [
-        torch.from_numpy(decoder.load(i, 0))
+        torch.from_numpy(decoder.load(i, 0)[0])
         for i in range(min(args.images, len(index)))
     ]
     deit = RECIPES["DeiT RandAugment"]

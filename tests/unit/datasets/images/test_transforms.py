@@ -328,11 +328,11 @@ def test_tensor_backend_depends_only_on_the_seed_and_pickles(kw, small_index):
     decoder = _decoder(small_index, **kw)
     copy = pickle.loads(pickle.dumps(decoder))
     random.seed(123)  # the global generators play no part
-    a = [decoder.load(i, 2) for i in range(12)]
+    a = [decoder.load(i, 2)[0] for i in range(12)]
     random.seed(456)
-    b = [copy.load(i, 2) for i in range(12)]
+    b = [copy.load(i, 2)[0] for i in range(12)]
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
-    c = [decoder.load(i, 3) for i in range(12)]  # another epoch: other draws
+    c = [decoder.load(i, 3)[0] for i in range(12)]  # another epoch: other draws
     assert not all(np.array_equal(x, y) for x, y in zip(a, c))
 
 
@@ -383,6 +383,8 @@ def test_decoding_threads_run_their_torch_ops_on_one_core(small_index):
 
 @pytest.mark.parametrize("kw", [DEIT, DEIT3])
 def test_tensor_backend_batches_are_the_same_in_every_loader_mode(kw, tmp_path):
+    """The decoder and its transform run in threads ('threads', 'spdl') and travel,
+    pickled, to worker processes ('processes', 'subprocess'): the same batches."""
     from pycls_fast.datasets.formats.synthetic import make_image_folder
     from pycls_fast.datasets.loader import construct_train_loader
     from tests.helpers import loader_cfg, one_epoch
@@ -403,6 +405,7 @@ def test_tensor_backend_batches_are_the_same_in_every_loader_mode(kw, tmp_path):
         ("threads", 3),
         ("spdl", 2),
         ("processes", 2),
+        ("subprocess", 2),
     ):
         cfg = loader_cfg(root, tmp_path, 2, DATA_LOADER__MODE=mode, **over)
         cfg.DATA_LOADER.NUM_WORKERS = workers
