@@ -158,7 +158,7 @@ def _timm_ops(transform):
 
 def posterize_pil(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
     """timm's posterize as it was before Pillow 13: 0 bits clears every bit (timm's
-    'rand-m9-mstd0.5-inc1' asks for 0 bits in ~0.2% of images; Pillow 13's
+    'rand-m9-mstd0.5-inc1' asks for 0 bits in ~0.15% of images; Pillow 13's
     ImageOps.posterize raises ValueError for it, and the image was dropped as bad)."""
     from PIL import ImageOps
 
