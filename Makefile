@@ -10,7 +10,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 .PHONY: setup setup-dev test test-unit test-integration test-slow slurm lint format demo sweep-demo \
 	distill-demo \
 	check-node bench bench-dist bench-attention \
-	bench-loader bench-index bench-shards bench-loader-scaling \
+	bench-loader bench-index bench-shards bench-loader-scaling bench-augment \
 	bench-optimizer bench-progressive bench-infer bench-build-memory mutation \
 	bench-checkpoint bench-gpu gpu-wheels test-kernels test-intel-mkl clean
 
@@ -155,6 +155,12 @@ bench-shards: setup
 # Per-image CPU and GIL-held time; images/s projected for many cores; cores per GPU.
 bench-loader-scaling: setup
 	$(PY) -m benchmarks.loader_scaling
+
+# CPU and GIL-held ms per image of each recipe family, PIL path against tensor path,
+# cores per H100 (docs/PERFORMANCE.md, "Augmentation cost per recipe"); a few minutes.
+bench-augment: setup
+	mkdir -p out/bench
+	$(PY) -m benchmarks.augment_cost --ops --json out/bench/augment_cost.json
 
 # The file index on an ImageNet-shaped tree of 1.28M hard links (docs/PERFORMANCE.md).
 bench-index: setup

@@ -658,6 +658,13 @@ _key("TRAIN.AUGMENT", "")
 # --train-interpolation) or 'bilinear'
 _key("TRAIN.AUGMENT_INTERPOLATION", "random", choices=["random", "bicubic", "bilinear"])
 
+# pycls_fast: where TRAIN.AUGMENT, TRAIN.THREE_AUGMENT and TRAIN.COLOR_JITTER run:
+# 'tensor' (torch ops on the uint8 crop in the decoding thread: Pillow's pixels, the
+# GIL released, every draw from the image's own seed, so batches are reproducible and
+# the same in every loader mode) or 'pil' (the reference: the crop resized by Pillow,
+# then timm's and torchvision's PIL operations; timm draws from the global random)
+_key("TRAIN.AUGMENT_BACKEND", "tensor", choices=["tensor", "pil"])
+
 # pycls_fast: repeated augmentation (DeiT's RASampler): each image this many times
 # in a row of the epoch's order, each copy with its own augmentation, the epoch as
 # long as before (1/this many of the images per epoch); 1 = off (DeiT uses 3)

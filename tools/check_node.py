@@ -9,9 +9,10 @@ losses within --tolerance, relative); DDP against FSDP on all local devices (two
 processes on a CPU); all-reduce bus bandwidth (NCCL on GPUs, gloo on CPUs); the matmul
 peak per dtype; the loader's images/s against what the training step of --cfg asks
 for (one rank's step: its share of the global batch, TP and PP folded into one
-process, FSDP in a one-process group). Each line ends in `ok`, `warning` (with the
-fix) or `skipped` (with why). With --json the last line is one JSON object:
-{"rows": [{check, result, verdict, fix}]}.
+process, FSDP in a one-process group), and the cores per GPU that --cfg's train
+transform (its augmentation recipe) takes at that step's pace. Each line ends in
+`ok`, `warning` (with the fix) or `skipped` (with why). With --json the last line is
+one JSON object: {"rows": [{check, result, verdict, fix}]}.
 """
 
 import argparse
@@ -176,22 +177,79 @@ def one_rank_cfg(cfg):
     )
 
 
+def recipe_cpu_ms(cfg, images: int = 48) -> float:
+    """CPU ms per image of `cfg`'s train transform (read, decode, crop, augment) in a
+    decoding thread, as the loader runs it, on ImageNet-sized photo-like JPEGs."""
+    import random
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from pycls_fast.datasets.formats.index import scan_split
+    from pycls_fast.datasets.formats.synthetic import make_image_folder
+    from pycls_fast.datasets.images.decode import EncodedImage
+    from pycls_fast.datasets.images.transforms import build_transform
+
+    transform = build_transform(cfg, train=True)
+    size = cfg.TRAIN.IM_SIZE
+
+    def run(index):
+        out = np.empty((size, size, 3), dtype=np.uint8)
+        for i in range(len(index)):  # warm-up: buffers, page cache
+            transform(EncodedImage(index.read(i)), random.Random(i), out)
+        start = time.thread_time()
+        for i in range(len(index)):
+            transform(EncodedImage(index.read(i)), random.Random(i), out)
+        return 1e3 * (time.thread_time() - start) / len(index)
+
+    with tempfile.TemporaryDirectory() as root:
+        make_image_folder(root, ("train",), 1, images, size="imagenet", seed=0)
+        index = scan_split(os.path.join(root, "train"))
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(run, index).result()
+
+
+def recipe_name(cfg) -> str:
+    """The train transform's augmentations in a few words."""
+    parts = ["crop + flip"]
+    if cfg.TRAIN.THREE_AUGMENT:
+        parts.append("3-Augment")
+    if cfg.TRAIN.COLOR_JITTER:
+        parts.append(f"colour jitter {cfg.TRAIN.COLOR_JITTER:g}")
+    if cfg.TRAIN.AUGMENT:
+        parts.append(cfg.TRAIN.AUGMENT)
+    return " + ".join(parts)
+
+
 def _loader_rates(cfg, steps):
-    """(step demand in img/s, loader img/s, where it read): on one rank's batch."""
+    """(step demand in img/s, loader img/s, where it read, train transform CPU ms per
+    image): on one rank's batch."""
     seed_everything(cfg.RNG_SEED)
     parts = build_components(cfg, loaders=False)
     batch = cfg.TRAIN.BATCH_SIZE
     train = timing.time_train(parts, batch, 1, steps, budget_s=20.0)
     rate, on = timing.loader_throughput(cfg, 2, budget_s=20.0)
-    return batch / train["step_s"], rate, on
+    return batch / train["step_s"], rate, on, recipe_cpu_ms(cfg)
+
+
+def cores_per_gpu() -> float:
+    """This process's CPU cores per local GPU (all of them without a GPU)."""
+    cores = len(os.sched_getaffinity(0))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return cores / max(gpus, 1)
 
 
 def check_loader(cfg, cfg_file, steps):
     """One rank's loader images/s against its training step's demand (this config,
-    at its per-rank batch; FSDP configs in a one-process group, via launch)."""
+    at its per-rank batch; FSDP configs in a one-process group, via launch), and the
+    cores per GPU its train transform takes at that demand."""
     rank_cfg = one_rank_cfg(cfg)
-    demand, rate, on = launch(functools.partial(_loader_rates, steps=steps), rank_cfg)
+    run = functools.partial(_loader_rates, steps=steps)
+    demand, rate, on, cpu_ms = launch(run, rank_cfg)
     ok = rate >= 1.2 * demand
+    cores, here = demand * cpu_ms / 1e3, cores_per_gpu()
+    enough = cores <= here
     return [
         _row(
             f"loader vs step demand ({os.path.basename(cfg_file)}, "
@@ -202,7 +260,18 @@ def check_loader(cfg, cfg_file, steps):
             if ok
             else "the loader would starve the step: raise DATA_LOADER.NUM_WORKERS "
             "or give the job more CPU cores",
-        )
+        ),
+        _row(
+            f"loader cores per GPU ({recipe_name(cfg)})",
+            f"{cpu_ms:.2f} ms CPU per image x {demand:.0f} img/s = {cores:.1f} "
+            f"cores per GPU ({here:.0f} here)",
+            "ok" if enough else "warning",
+            ""
+            if enough
+            else "this recipe's train transform needs more cores per GPU than the "
+            "node has: the loader will hold the step back (docs/PERFORMANCE.md, "
+            "'Augmentation cost per recipe')",
+        ),
     ]
 
 
