@@ -53,6 +53,8 @@ RECIPE_KEYS = (
     "DATA.HFLIP",
 )
 MODES = ("none", "threads", "spdl", "subprocess", "processes")
+# Seconds between runs: what a stopped loader was finishing is done before the next.
+SETTLE_S = 0.3
 
 
 def _parser():
@@ -154,15 +156,14 @@ def _switches():
 
 
 class Cell:
-    """One (recipe, mode): its loader (kept across rounds) and its figures."""
+    """One (recipe, mode): its loader (kept across rounds) and its runs."""
 
     def __init__(self, loader):
         self.loader = loader
         self.epoch = 0
-        self.batches = iter(()) if loader is None else self._epoch()
 
-    def _epoch(self):
-        while True:
+    def _batches(self):
+        while self.loader is not None:
             self.loader.set_epoch(self.epoch)
             self.epoch += 1
             yield from self.loader
@@ -170,11 +171,14 @@ class Cell:
     def run(self, step, seconds):
         """Runs the loop for `seconds`; returns the figures of the run."""
         walls, cpus, vol, invol, images = [], [], 0, 0, 0
-        next(self.batches, None)  # the first batch of a round is not counted
+        # A fresh epoch each run, closed at its end: no cell's decoding runs on
+        # into the next one's. The first batch (the loader's start) is not counted.
+        batches = self._batches()
+        next(batches, None)
         busy0, own0 = machine_busy_seconds(), _own_cpu()
         start = time.perf_counter()
         while time.perf_counter() - start < seconds:
-            batch = next(self.batches, None)
+            batch = next(batches, None)
             if batch is not None:
                 images += len(batch[1])
             del batch
@@ -189,6 +193,8 @@ class Cell:
         wall = time.perf_counter() - start
         own = _own_cpu() - own0
         foreign = (machine_busy_seconds() - busy0 - own) / wall
+        batches.close()  # stops the threads, workers or subprocess work
+        time.sleep(SETTLE_S)
         return {
             "step_ms": 1e3 * statistics.median(walls),
             "step_cpu_ms": 1e3 * statistics.median(cpus),
