@@ -10,9 +10,9 @@ DEV_STAMP := $(VENV)/.installed-dev
 .PHONY: setup setup-dev test test-unit test-integration test-slow slurm lint format demo sweep-demo \
 	distill-demo \
 	check-node bench bench-dist bench-attention \
-	bench-loader bench-index bench-shards bench-loader-scaling \
+	bench-loader bench-index bench-shards bench-loader-scaling bench-augment \
 	bench-optimizer bench-progressive bench-infer bench-build-memory mutation \
-	bench-checkpoint bench-gpu test-kernels test-intel-mkl clean
+	bench-checkpoint bench-gpu gpu-wheels test-kernels test-intel-mkl clean
 
 setup: $(STAMP)
 
@@ -156,6 +156,12 @@ bench-shards: setup
 bench-loader-scaling: setup
 	$(PY) -m benchmarks.loader_scaling
 
+# CPU and GIL-held ms per image of each recipe family, PIL path against tensor path,
+# cores per H100 (docs/PERFORMANCE.md, "Augmentation cost per recipe"); a few minutes.
+bench-augment: setup
+	mkdir -p out/bench
+	$(PY) -m benchmarks.augment_cost --ops --json out/bench/augment_cost.json
+
 # The file index on an ImageNet-shaped tree of 1.28M hard links (docs/PERFORMANCE.md).
 bench-index: setup
 	$(PY) -m benchmarks.index
@@ -191,6 +197,17 @@ bench-checkpoint: setup
 # AMP mode, the ladder on the node's GPUs, a short run per AMP mode. ~10 min on one H100.
 bench-gpu: setup
 	PY=$(PY) PATH=$(abspath $(VENV))/bin:$$PATH bash benchmarks/gpu_node.sh out/bench/gpu_node
+
+# The packages a GPU node without a package registry lacks, for its own torch (2.11,
+# Python 3.12 when last seen): wheels into build/wheels/ (about 17 MB), which
+# benchmarks/gpu_node.sh installs first when present (docs/PERFORMANCE.md, "First
+# measurements on a GPU"). torchao 0.18.0 is built against torch 2.11 (abi3 wheel).
+GPU_WHEELS := torchao==0.18.0 spdl==0.8.0 spdl_core==0.8.0 spdl_io==0.8.0 \
+	yacs==0.1.8 submitit==1.5.4 cloudpickle==3.1.2
+gpu-wheels: setup
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+		$(GPU_WHEELS) -d build/wheels
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

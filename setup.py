@@ -49,6 +49,7 @@ setup(
             "onnxruntime>=1.20",
             "onnxscript>=0.2",
             "wandb>=0.19",
+            "torchao>=0.18",
         ],
         # LOG_TENSORBOARD: event files through torch.utils.tensorboard.
         "tensorboard": ["tensorboard>=2.14"],
@@ -57,5 +58,10 @@ setup(
         "export": ["onnx>=1.17", "onnxruntime>=1.20", "onnxscript>=0.2"],
         # LOG_WANDB: a Weights & Biases run (offline mode needs no account).
         "wandb": ["wandb>=0.19"],
+        # AMP.FP8: float8 linears (torchao.float8), imported only when it is on. An
+        # extra, not install_requires: each torchao release is built against one
+        # torch release (0.18 against 2.11) and a floor here would tie the torch of
+        # GPU boxes that keep their own CUDA build; the locks pin it for make.
+        "fp8": ["torchao>=0.18"],
     },
 )

@@ -31,6 +31,30 @@ def process_cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def descendants_cpu_seconds() -> dict[int, float]:
+    """{pid: user + system CPU seconds} of this process's live descendants (children
+    that os.times does not count until they are reaped: DataLoader workers during an
+    epoch, the loader subprocesses of DATA_LOADER.MODE subprocess)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found, pending = {}, [os.getpid()]
+    while pending:
+        pid = pending.pop()
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            try:
+                with open(f"/proc/{kid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            found[kid] = (int(fields[11]) + int(fields[12])) / tick
+            pending.append(kid)
+    return found
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         import torch

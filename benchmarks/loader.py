@@ -13,6 +13,8 @@ run, interleaved round by round (single, threads, processes, ...; medians):
 - threads: DATA_LOADER.MODE threads (decoding threads fed by the consumer);
 - spdl: DATA_LOADER.MODE spdl (the same chunk tasks in an spdl.pipeline);
 - threads-per-image: an spdl pipeline with one task per image (for comparison);
+- subprocess: DATA_LOADER.MODE subprocess (the threads in one child process, batches
+  through shared memory; the child is started before timing, as it lives for a run);
 - processes: DATA_LOADER.MODE processes (torch DataLoader, same work and workers).
 Each loader figure is a whole epoch over --images images, start-up included; "CPU ms /
 image" is the CPU time of the process and its (finished) workers per image, which shows
@@ -37,6 +39,7 @@ import time
 import numpy as np
 
 from benchmarks.harness import (
+    descendants_cpu_seconds,
     machine_busy_seconds,
     per_round_ratios,
     process_cpu_seconds,
@@ -45,8 +48,16 @@ from pycls_fast.config import get_cfg
 from pycls_fast.errors import UserError
 from pycls_fast.launch.cli import run
 
-MODES = ("single", "ceiling", "threads", "spdl", "threads-per-image", "processes")
-LOADERS = ("threads", "spdl", "threads-per-image", "processes")
+MODES = (
+    "single",
+    "ceiling",
+    "threads",
+    "spdl",
+    "subprocess",
+    "threads-per-image",
+    "processes",
+)
+LOADERS = ("threads", "spdl", "subprocess", "threads-per-image", "processes")
 
 
 def _parser():
@@ -202,6 +213,13 @@ class Bench:
     def _spdl(self):
         return sum(len(y) for _, y in self.loaders["spdl"])
 
+    def _subprocess(self):
+        # The children live across epochs: their CPU is read from /proc.
+        before = sum(descendants_cpu_seconds().values())
+        count = sum(len(y) for _, y in self.loaders["subprocess"])
+        self.worker_cpu += sum(descendants_cpu_seconds().values()) - before
+        return count
+
     def _processes(self):
         return sum(len(y) for _, y in self.loaders["processes"])
 
@@ -213,7 +231,8 @@ class Bench:
         decoder = self.decoder
 
         def collate(items):
-            return make_batch(np.stack(items), np.zeros(len(items)), [])
+            images = [x for x, _, _ in items]
+            return make_batch(np.stack(images), np.zeros(len(images)), [])
 
         pipeline = (
             PipelineBuilder()
@@ -362,6 +381,7 @@ def main():
         return 0
     bench.start_ceiling_workers()
     bench.run("threads")  # Warm the page cache and the code paths.
+    bench.run("subprocess")  # Start its child, which a run keeps for its epochs.
     rates, cpu = {m: [] for m in MODES}, {m: [] for m in MODES}
     repeats, foreign_kept = 0, 0.0
     for r in range(args.rounds):

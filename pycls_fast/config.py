@@ -613,6 +613,15 @@ _key("TRAIN.MIXED_PRECISION", False)
 # C++ compiler on a CPU)
 _key("TRAIN.COMPILE", "off", choices=["off", "block", "model"])
 
+# pycls_fast: replay the model's forward and backward as CUDA graphs (torch.compile's
+# mode 'reduce-overhead'): the host launches a graph instead of each kernel, so the
+# step no longer waits for the Python thread (nor for the GIL). Compiles the whole
+# model (TRAIN.COMPILE 'model' or 'off'); training batches keep their size (a bad
+# image is replaced, as with DATA_LOADER.REPLACE_BAD). One GPU or DDP: refused with
+# FSDP, TP and PP, whose hooks run between the kernels. On a CPU it compiles as
+# TRAIN.COMPILE 'model' does (no graphs)
+_key("TRAIN.CUDA_GRAPHS", False)
+
 # pycls_fast: training loss: 'ce' (cross-entropy with soft targets, pycls) or 'bce'
 # (binary cross-entropy per class, DeiT III; timm's BinaryCrossEntropy); evaluation
 # reports cross-entropy either way
@@ -648,6 +657,13 @@ _key("TRAIN.AUGMENT", "")
 # 'random' (one of bilinear / bicubic per op, timm's default), 'bicubic' (DeiT's
 # --train-interpolation) or 'bilinear'
 _key("TRAIN.AUGMENT_INTERPOLATION", "random", choices=["random", "bicubic", "bilinear"])
+
+# pycls_fast: where TRAIN.AUGMENT, TRAIN.THREE_AUGMENT and TRAIN.COLOR_JITTER run:
+# 'tensor' (torch ops on the uint8 crop in the decoding thread: Pillow's pixels, the
+# GIL released, every draw from the image's own seed, so batches are reproducible and
+# the same in every loader mode) or 'pil' (the reference: the crop resized by Pillow,
+# then timm's and torchvision's PIL operations; timm draws from the global random)
+_key("TRAIN.AUGMENT_BACKEND", "tensor", choices=["tensor", "pil"])
 
 # pycls_fast: repeated augmentation (DeiT's RASampler): each image this many times
 # in a row of the epoch's order, each copy with its own augmentation, the epoch as
@@ -768,16 +784,29 @@ _key("DATA_LOADER.NUM_WORKERS", 8, ge=0)
 _key("DATA_LOADER.PIN_MEMORY", True)
 
 # pycls_fast: 'threads' (in-process decoding threads), 'spdl' (the same in an
-# spdl.pipeline) or 'processes' (torch DataLoader); pycls's 'pytorch' loads as
-# 'processes', its 'ffcv' is refused (not implemented)
+# spdl.pipeline), 'subprocess' (the same threads in DATA_LOADER.SUBPROCESSES child
+# processes, batches in shared memory: the training thread keeps its GIL) or
+# 'processes' (torch DataLoader); pycls's 'pytorch' loads as 'processes', its 'ffcv'
+# is refused (not implemented)
 _key(
     "DATA_LOADER.MODE",
     "threads",
-    choices=["threads", "spdl", "processes", "pytorch", "ffcv"],
+    choices=["threads", "spdl", "subprocess", "processes", "pytorch", "ffcv"],
 )
+
+# pycls_fast: child processes of 'subprocess' mode, sharing DATA_LOADER.NUM_WORKERS
+# threads between them (more than one when one process's GIL is the limit)
+_key("DATA_LOADER.SUBPROCESSES", 1, ge=1)
 
 # pycls_fast: abort when more than this fraction of images fail to decode
 _key("DATA_LOADER.MAX_BAD_FRAC", 0.01, ge=0, lt=1)
+
+# pycls_fast: in training, give a bad image's place in its batch to another image
+# (drawn from RNG_SEED, the epoch and the image; still counted and logged as bad), so
+# every batch has TRAIN.BATCH_SIZE images: the static shapes that CUDA graphs and
+# compiled steps want (always so with TRAIN.CUDA_GRAPHS); False drops it (its batch
+# is one image smaller)
+_key("DATA_LOADER.REPLACE_BAD", False)
 
 # pycls_fast: batches decoded or being decoded ahead of the training step, per process
 # (at least one per worker plus one)
@@ -812,6 +841,24 @@ _key("AMP.LAYER_NORM_FP32", True)
 # inputs, fp32 accumulation), as most training codebases do; False keeps IEEE fp32.
 # GPU only (Ampere and later); set once per process (precision.apply_backend_flags)
 _key("AMP.TF32", True)
+
+# Float8 training (torchao.float8): the encoder blocks' linear layers (q/k/v,
+# projection, MLP) run their matmuls on float8 inputs, scaled dynamically; the stem,
+# head and norms keep AMP.MODE's precision (components/float8.py). Needs a GPU with
+# float8 matmuls (compute capability 8.9+: H100, H200, L4), AMP.DTYPE bf16, and
+# VIT.HIDDEN_DIM and VIT.MLP_DIM (divided by PARALLEL.TP) multiples of 16. Use it
+# with TRAIN.COMPILE (torch.compile fuses float8's casts; a warning says so when off)
+_key("AMP.FP8", False)
+
+# AMP.FP8's scaling: 'tensorwise' (one scale per tensor; e4m3 inputs and weights,
+# e5m2 gradients; FSDP all-gathers the weights in float8) or 'rowwise' (a power-of-2
+# scale per row, e4m3 throughout; more accurate, a little slower)
+_key("AMP.FP8_RECIPE", "tensorwise", choices=["tensorwise", "rowwise"])
+
+# AMP.FP8's matmuls emulated (torchao's emulate): the float8 values multiplied in
+# fp32, so float8's roundings without float8 kernels, on any device; no speed-up. For
+# tests on CPUs and GPUs without float8
+_key("AMP.FP8_EMULATE", False)
 
 
 # ---------------------------------- CUDNN options ----------------------------------- #
@@ -1166,7 +1213,7 @@ _REFUSALS = [
     _Refusal(
         "DATA_LOADER.MODE",
         lambda c: c.DATA_LOADER.MODE == "ffcv",
-        "use 'threads' (the default), 'spdl' or 'processes'",
+        "use 'threads' (the default), 'spdl', 'subprocess' or 'processes'",
         "refused: 'ffcv'",
     ),
 ]
@@ -1435,6 +1482,7 @@ def check_cfg(cfg: CfgNode) -> None:
     if cfg.OPTIM.LR_POLICY == "steps" and not cfg.OPTIM.STEPS:
         raise ConfigError("OPTIM.STEPS must be set when OPTIM.LR_POLICY is 'steps'")
     _check_parallel(cfg)
+    _check_fp8(cfg)
     _check_optimizer(cfg)
     # Batches are split among the data-parallel ranks (NUM_GPUS without TP or PP).
     dp = cfg.NUM_GPUS // (cfg.PARALLEL.TP * cfg.PARALLEL.PP)
@@ -1443,6 +1491,7 @@ def check_cfg(cfg: CfgNode) -> None:
         if _get(cfg, key) % dp:
             raise ConfigError(f"{key} ({_get(cfg, key)}) must be divisible by {ranks}")
     _check_distill(cfg)
+    _check_cuda_graphs(cfg)
     _check_accept_changes(cfg.TRAIN.ACCEPT_CHANGES)
     if cfg.TRAIN.BCE_BINARY_TARGETS and cfg.TRAIN.BCE_TARGET_THRESH:
         raise ConfigError(
@@ -1601,6 +1650,50 @@ def _check_parallel(cfg: CfgNode) -> None:
                     if key == "TRAIN.ACCUM_STEPS"
                     else f"{key} is not supported with PARALLEL.PP > 1"
                 )
+
+
+def _check_fp8(cfg: CfgNode) -> None:
+    """AMP.FP8 with bf16 only (torchao's float8 training is made and tested for
+    bf16, as torchtitan runs it; fp16's loss scaling is not part of its recipes) and
+    float8 dims: torch's float8 matmul takes dims that are multiples of 16, and each
+    tensor-parallel rank multiplies its own slice."""
+    if not cfg.AMP.FP8:
+        return
+    amp = cfg.AMP.MODE or legacy_amp_mode(cfg)
+    if cfg.AMP.DTYPE == "fp16" and amp != "fp32":
+        raise ConfigError(
+            "AMP.FP8 True needs AMP.DTYPE bf16 (torchao's float8 training has no "
+            "fp16 recipe), got fp16"
+        )
+    tp = cfg.PARALLEL.TP
+    for key in ("HIDDEN_DIM", "MLP_DIM"):
+        value = cfg.VIT[key]
+        if value % (16 * tp):
+            per_rank = f" / PARALLEL.TP ({tp}) = {value / tp:g}" if tp > 1 else ""
+            raise ConfigError(
+                f"AMP.FP8 True needs VIT.{key} ({value}){per_rank} to be a multiple "
+                "of 16 (float8 matmul dims)"
+            )
+
+
+def _check_cuda_graphs(cfg: CfgNode) -> None:
+    """TRAIN.CUDA_GRAPHS: the whole model in one compiled graph, nothing that runs
+    host code between its kernels."""
+    if not cfg.TRAIN.CUDA_GRAPHS:
+        return
+    dp = cfg.NUM_GPUS // (cfg.PARALLEL.TP * cfg.PARALLEL.PP)
+    for key, on in (
+        ("FSDP.ENABLED", cfg.FSDP.ENABLED and dp > 1),
+        ("PARALLEL.TP", cfg.PARALLEL.TP > 1),
+        ("PARALLEL.PP", cfg.PARALLEL.PP > 1),
+        ("TRAIN.COMPILE 'block'", cfg.TRAIN.COMPILE == "block"),
+    ):
+        if on:
+            raise ConfigError(
+                f"TRAIN.CUDA_GRAPHS True does not work with {key}: CUDA graphs "
+                "replay the whole model's kernels (one GPU or DDP, TRAIN.COMPILE "
+                "'model' or 'off')"
+            )
 
 
 def _check_accept_changes(value: str) -> None:

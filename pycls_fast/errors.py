@@ -46,6 +46,11 @@ class BadImagesError(UserError):
     """More images failed to decode than DATA_LOADER.MAX_BAD_FRAC allows."""
 
 
+class LoaderProcessError(PyclsFastError):
+    """A loader subprocess ('subprocess' mode) failed, ended or stopped answering; the
+    message names the error it raised or how it ended."""
+
+
 class OutDirInUseError(UserError):
     """Another training holds OUT_DIR."""
 

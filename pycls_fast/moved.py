@@ -58,6 +58,8 @@ MOVED = {
     "pycls_fast.datasets.processes": "pycls_fast.datasets.modes.processes",
     "pycls_fast.datasets.device": "pycls_fast.datasets.to_device.transform",
     "pycls_fast.datasets.prefetch": "pycls_fast.datasets.to_device.prefetch",
+    # engine/trainer.py's split: the run's precise BN joined its computation.
+    "pycls_fast.engine.precise_bn": "pycls_fast.components.precise_bn",
 }
 # Old packages that no longer exist as folders: empty packages whose submodules are
 # the moved modules above.

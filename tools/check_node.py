@@ -9,12 +9,13 @@ losses within --tolerance, relative); DDP against FSDP on all local devices (two
 processes on a CPU); all-reduce bus bandwidth (NCCL on GPUs, gloo on CPUs); the matmul
 peak per dtype; the loader's images/s against what the training step of --cfg asks
 for (one rank's step: its share of the global batch, TP and PP folded into one
-process, FSDP in a one-process group). A folded rank that would not fit this device
-(--memory-gib; the planner's per-rank memory) is timed with fewer encoder blocks and
-its step time scaled up by the blocks, said in the line; one that does not fit with a
-single block is refused in one line. Each line ends in `ok`, `warning` (with the
-fix) or `skipped` (with why). With --json the last line is one JSON object:
-{"rows": [{check, result, verdict, fix}]}.
+process, FSDP in a one-process group), and the cores per GPU that --cfg's train
+transform (its augmentation recipe) takes at that step's pace. A folded rank that
+would not fit this device (--memory-gib; the planner's per-rank memory) is timed with
+fewer encoder blocks and its step time scaled up by the blocks, said in the line; one
+that does not fit with a single block is refused in one line. Each line ends in
+`ok`, `warning` (with the fix) or `skipped` (with why). With --json the last line is
+one JSON object: {"rows": [{check, result, verdict, fix}]}.
 """
 
 import argparse
@@ -180,26 +181,81 @@ def one_rank_cfg(cfg):
     )
 
 
+def recipe_cpu_ms(cfg, images: int = 48) -> float:
+    """CPU ms per image of `cfg`'s train transform (read, decode, crop, augment) in a
+    decoding thread, as the loader runs it, on ImageNet-sized photo-like JPEGs."""
+    import random
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from pycls_fast.datasets.formats.index import scan_split
+    from pycls_fast.datasets.formats.synthetic import make_image_folder
+    from pycls_fast.datasets.images.decode import EncodedImage
+    from pycls_fast.datasets.images.transforms import build_transform
+
+    transform = build_transform(cfg, train=True)
+    size = cfg.TRAIN.IM_SIZE
+
+    def run(index):
+        out = np.empty((size, size, 3), dtype=np.uint8)
+        for i in range(len(index)):  # warm-up: buffers, page cache
+            transform(EncodedImage(index.read(i)), random.Random(i), out)
+        start = time.thread_time()
+        for i in range(len(index)):
+            transform(EncodedImage(index.read(i)), random.Random(i), out)
+        return 1e3 * (time.thread_time() - start) / len(index)
+
+    with tempfile.TemporaryDirectory() as root:
+        make_image_folder(root, ("train",), 1, images, size="imagenet", seed=0)
+        index = scan_split(os.path.join(root, "train"))
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(run, index).result()
+
+
+def recipe_name(cfg) -> str:
+    """The train transform's augmentations in a few words."""
+    parts = ["crop + flip"]
+    if cfg.TRAIN.THREE_AUGMENT:
+        parts.append("3-Augment")
+    if cfg.TRAIN.COLOR_JITTER:
+        parts.append(f"colour jitter {cfg.TRAIN.COLOR_JITTER:g}")
+    if cfg.TRAIN.AUGMENT:
+        parts.append(cfg.TRAIN.AUGMENT)
+    return " + ".join(parts)
+
+
 def _loader_rates(cfg, steps):
-    """(step demand in img/s, loader img/s, where it read): on one rank's batch."""
+    """(step demand in img/s, loader img/s, where it read, train transform CPU ms per
+    image): on one rank's batch."""
     seed_everything(cfg.RNG_SEED)
     parts = build_components(cfg, loaders=False)
     batch = cfg.TRAIN.BATCH_SIZE
     train = timing.time_train(parts, batch, 1, steps, budget_s=20.0)
     rate, on = timing.loader_throughput(cfg, 2, budget_s=20.0)
-    return batch / train["step_s"], rate, on
+    return batch / train["step_s"], rate, on, recipe_cpu_ms(cfg)
+
+
+def cores_per_gpu() -> float:
+    """This process's CPU cores per local GPU (all of them without a GPU)."""
+    cores = len(os.sched_getaffinity(0))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return cores / max(gpus, 1)
 
 
 def check_loader(cfg, cfg_file, steps, memory_gib=None):
     """One rank's loader images/s against its training step's demand (this config,
-    at its per-rank batch; FSDP configs in a one-process group, via launch). The
-    folded rank is trimmed to the encoder blocks that fit `memory_gib` (default:
-    this device's memory), its step time scaled back up by the blocks."""
+    at its per-rank batch; FSDP configs in a one-process group, via launch), and the
+    cores per GPU its train transform takes at that demand. The folded rank is
+    trimmed to the encoder blocks that fit `memory_gib` (default: this device's
+    memory), its step time scaled back up by the blocks."""
     rank_cfg = one_rank_cfg(cfg)
     if memory_gib is None:
         memory_gib = device_gib(distributed.device(), 1)
     timed, layers = fit_in_one_process(rank_cfg, memory_gib)
-    demand, rate, on = launch(functools.partial(_loader_rates, steps=steps), timed)
+    run = functools.partial(_loader_rates, steps=steps)
+    demand, rate, on, cpu_ms = launch(run, timed)
     scaled = ""
     if layers > timed.VIT.NUM_LAYERS:
         # The blocks are the step: a whole rank's step takes about layers / n
@@ -211,6 +267,8 @@ def check_loader(cfg, cfg_file, steps, memory_gib=None):
             f"scaled by {layers}/{timed.VIT.NUM_LAYERS})"
         )
     ok = rate >= 1.2 * demand
+    cores, here = demand * cpu_ms / 1e3, cores_per_gpu()
+    enough = cores <= here
     return [
         _row(
             f"loader vs step demand ({os.path.basename(cfg_file)}, "
@@ -221,7 +279,18 @@ def check_loader(cfg, cfg_file, steps, memory_gib=None):
             if ok
             else "the loader would starve the step: raise DATA_LOADER.NUM_WORKERS "
             "or give the job more CPU cores",
-        )
+        ),
+        _row(
+            f"loader cores per GPU ({recipe_name(cfg)})",
+            f"{cpu_ms:.2f} ms CPU per image x {demand:.0f} img/s = {cores:.1f} "
+            f"cores per GPU ({here:.0f} here)",
+            "ok" if enough else "warning",
+            ""
+            if enough
+            else "this recipe's train transform needs more cores per GPU than the "
+            "node has: the loader will hold the step back (docs/PERFORMANCE.md, "
+            "'Augmentation cost per recipe')",
+        ),
     ]
 
 

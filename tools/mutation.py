@@ -142,7 +142,7 @@ TARGETS = (
     ),
     Target(
         "trainer step",
-        "pycls_fast/engine/trainer.py",
+        "pycls_fast/engine/step.py",
         (
             f"{GRAD_ACCUM}::test_an_uneven_batch_weighs_each_image_alike",
             f"{TRAINER}::test_a_step_weighted_zero_leaves_the_weights",
@@ -176,25 +176,25 @@ EQUIVALENT: dict[str, str] = {
     "pycls_fast/components/ema.py:ema_enabled:compare1:"
     "cfg.OPTIM.EMA_UPDATE_PERIOD > 0": "config.py accepts only EMA_UPDATE_PERIOD > 0 "
     "(gt=0), so `>= 0` holds exactly when `> 0` does",
-    "pycls_fast/engine/trainer.py:forward_backward:negate0:if len(chunks) > 1:": (
+    "pycls_fast/engine/step.py:forward_backward:negate0:if len(chunks) > 1:": (
         "the reduction is then on for every micro-batch instead of the last only: "
         "the sum of the reduced gradients is the reduced sum (more communication, "
         "the same step up to rounding)"
     ),
-    "pycls_fast/engine/trainer.py:forward_backward:drop0:"
+    "pycls_fast/engine/step.py:forward_backward:drop0:"
     "_gradient_sync(parts.trained, last)": (
         "the reduction then stays on for every micro-batch: the sum of the reduced "
         "gradients is the reduced sum (more communication, the same step up to "
         "rounding), as for the negated condition above it"
     ),
-    "pycls_fast/engine/trainer.py:_gradient_sync:drop0:"
+    "pycls_fast/engine/step.py:_gradient_sync:drop0:"
     "model.set_requires_gradient_sync(enabled)": (
         "FSDP2 then reduces the gradients after every micro-batch instead of the "
         "last only: the sum of the reduced gradients is the reduced sum (more "
         "communication, the same step up to rounding), as for the negated "
         "condition in forward_backward"
     ),
-    "pycls_fast/engine/trainer.py:train_step:constant0:True": (
+    "pycls_fast/engine/step.py:train_step:constant0:True": (
         "zero_grad(set_to_none=False) zeroes the grads in place of dropping them: "
         "every trained parameter gets a new gradient in every step, so the "
         "optimizer sees the same values (only memory differs)"

@@ -21,6 +21,7 @@ epoch) in another DATA_LOADER.MODE: benchmarks and tests compare modes with it.
 import logging
 import os
 import time
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,21 +35,26 @@ from pycls_fast.datasets.modes import sharding
 from pycls_fast.datasets.modes.batch import ImageDecoder
 from pycls_fast.datasets.modes.processes import iterate_processes
 from pycls_fast.datasets.modes.spdl_pipeline import iterate_spdl
+from pycls_fast.datasets.modes.subprocess_loader import SubprocessLoader
 from pycls_fast.datasets.modes.threaded import iterate_threaded
 from pycls_fast.errors import BadImagesError, ConfigError, UserError
 from pycls_fast.storage import is_remote
 
 logger = logging.getLogger(__name__)
 
-MODES = ("threads", "spdl", "processes")  # the values of DATA_LOADER.MODE
+# The values of DATA_LOADER.MODE.
+MODES = ("threads", "spdl", "processes", "subprocess")
 
 
 class ImageLoader:
     """Iterable of (images, labels) batches of one rank, one epoch per iteration.
 
     `plan(epoch)` returns the epoch's batches as index arrays; `mode` is 'threads',
-    'spdl' or 'processes'. A bad image is skipped (its batch is one smaller), logged
-    with its path and counted; more than `max_bad_frac` of the epoch's images aborts
+    'spdl', 'processes' or 'subprocess' (`subprocesses` child processes, started at
+    the first epoch and ended by `close`, or when the loader is collected or the
+    process exits). A bad image is skipped (its batch is one smaller; or another
+    image takes its place: the decoder's `replace_bad`), logged with its path and
+    counted; more than `max_bad_frac` of the epoch's images aborts
     the epoch with BadImagesError. A batch whose images all fail is yielded empty
     (B = 0), so that every rank yields one batch per planned batch; with `drop_empty`
     it is not yielded (evaluation, where an empty batch would only turn the metrics
@@ -66,6 +72,7 @@ class ImageLoader:
         stats_period=0,
         drop_empty=False,
         decoder_for=None,
+        subprocesses=1,
     ):
         # `decoder_for(epoch)`: the decoder of that epoch (a TRAIN.SIZE_SCHEDULE
         # stage's image size), or None: `decoder` throughout.
@@ -78,6 +85,8 @@ class ImageLoader:
         self.max_bad_frac = max_bad_frac
         self.stats_period = stats_period
         self.drop_empty = drop_empty
+        self.subprocesses = subprocesses
+        self._subprocess_loader = None
         self.epoch = 0
         self.start_batch = 0
         self.bad_images = []
@@ -110,7 +119,29 @@ class ImageLoader:
             self.max_bad_frac,
             self.stats_period,
             self.drop_empty,
+            subprocesses=self.subprocesses,
         )
+
+    def close(self) -> None:
+        """Ends the loader's subprocesses ('subprocess' mode); the loader can still
+        be iterated, which starts new ones."""
+        if self._subprocess_loader is not None:
+            self._subprocess_loader.close()
+            self._subprocess_loader = None
+
+    def _subprocesses(self):
+        if self._subprocess_loader is None:
+            threads = max(1, -(-self.num_workers // self.subprocesses))
+            pool = SubprocessLoader(
+                self.subprocesses,
+                threads,
+                self.prefetch,
+                pin_memory=self.decoder.pin_memory,
+                stats_period=self.stats_period,
+            )
+            weakref.finalize(self, pool.close)
+            self._subprocess_loader = pool
+        return self._subprocess_loader
 
     def set_epoch(self, epoch, start_batch=0):
         """Selects the shuffle (and crop seeds) of `epoch`: deterministic per
@@ -134,6 +165,8 @@ class ImageLoader:
             return iterate_processes(
                 self.decoder, batches, self.epoch, self.num_workers, self.prefetch
             )
+        if self.mode == "subprocess":
+            return self._subprocesses().iterate(self.decoder, batches, self.epoch)
         engine = iterate_spdl if self.mode == "spdl" else iterate_threaded
         return engine(
             self.decoder,
@@ -240,6 +273,8 @@ def _decoder(cfg, index, train, im_size=None):
         im_size or cfg.TRAIN.IM_SIZE,
         cfg.RNG_SEED,
         pin_memory=cfg.DATA_LOADER.PIN_MEMORY and torch.cuda.is_available(),
+        # CUDA graphs replay fixed shapes: every training batch keeps its size.
+        replace_bad=train and (cfg.DATA_LOADER.REPLACE_BAD or cfg.TRAIN.CUDA_GRAPHS),
     )
 
 
@@ -266,6 +301,7 @@ def _loader(cfg, index, train, plan):
         cfg.DATA_LOADER.STATS_PERIOD,
         drop_empty=not train,
         decoder_for=decoder_for,
+        subprocesses=cfg.DATA_LOADER.SUBPROCESSES,
     )
 
 

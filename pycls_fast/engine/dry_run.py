@@ -41,7 +41,10 @@ from functools import wraps
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+)
 from torch.utils._pytree import tree_leaves
 from yacs.config import CfgNode
 
@@ -54,7 +57,8 @@ from pycls_fast.components.precision import (
 )
 from pycls_fast.components.precision import autocast as amp_autocast
 from pycls_fast.config import pp_microbatches, with_overrides
-from pycls_fast.engine.trainer import build_components, train_step
+from pycls_fast.engine.model_setup import build_components
+from pycls_fast.engine.step import train_step
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
 from pycls_fast.models.attention import resolve_kernel
@@ -108,7 +112,7 @@ def dry_run(cfg: CfgNode, rank: int = 0) -> DryRunReport:
         )
         run_rank, run_world = 0, 1
         notes.append("DDP: run as one process at its share of the batch")
-    overrides = {"TRAIN.COMPILE": "off"}
+    overrides = {"TRAIN.COMPILE": "off", "TRAIN.CUDA_GRAPHS": False}
     if cfg.VIT.ATTENTION == "auto":
         # The kernel a GPU would run (SDPA: flash keeps no attention matrix), not
         # this CPU's measured choice.
@@ -379,17 +383,28 @@ class LiveBytes(TorchDispatchMode):
         if _active_fake_mode() is self._fake:
             # An in-place or out= op, or a view, returns an input's storage: no new
             # bytes (the optimizer's update of parameters made before the tracker).
-            inputs = {
-                id(t.untyped_storage())
-                for t in tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor)
-            }
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    if id(st) not in inputs:
-                        self._add(st)
+            inputs = {id(st) for st in _storages(tree_leaves((args, kwargs)))}
+            for st in _storages(tree_leaves(out)):
+                if id(st) not in inputs:
+                    self._add(st)
         return out
+
+
+def _storages(leaves) -> Iterator[torch.UntypedStorage]:
+    """The storages that hold the tensors among `leaves`: a wrapper subclass's
+    (torchao's float8 tensors) are its inner tensors' (a Float8TrainingTensor's
+    nominal dtype is its high-precision one; its bytes are its float8 data's),
+    which its own dispatch made where this mode does not see them."""
+    for t in leaves:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            # Its tensor attributes, read directly: a subclass's own
+            # __tensor_flatten__ may read values (torchao's weight wrapper tests
+            # its scale), which fake tensors have none of.
+            yield from _storages(vars(t).values())
+        else:
+            yield t.untyped_storage()
 
 
 def _active_fake_mode():

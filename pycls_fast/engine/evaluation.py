@@ -21,16 +21,15 @@ import torch
 from yacs.config import CfgNode
 
 from pycls_fast.config import with_overrides
-from pycls_fast.engine.test_sets import split_classes
-from pycls_fast.engine.trainer import (
-    build_components,
-    checkpoint_epoch_label,
+from pycls_fast.engine.lifecycle import checkpoint_epoch_label, prepare_test
+from pycls_fast.engine.model_setup import build_components
+from pycls_fast.engine.step import (
     eval_forward,
     pad_sharded_forwards,
     planned_forwards,
-    prepare_test,
-    test_epoch,
 )
+from pycls_fast.engine.test_sets import split_classes
+from pycls_fast.engine.trainer import test_epoch
 from pycls_fast.errors import UserError
 from pycls_fast.runtime import distributed
 

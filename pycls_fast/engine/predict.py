@@ -29,7 +29,7 @@ from pycls_fast.datasets.formats.index import class_names
 from pycls_fast.datasets.images.decode import EncodedImage
 from pycls_fast.datasets.images.transforms import build_transform
 from pycls_fast.datasets.to_device.transform import DeviceBatchTransform
-from pycls_fast.engine.trainer import resolve_channel_order
+from pycls_fast.engine.lifecycle import resolve_channel_order
 from pycls_fast.errors import ConfigError, UserError
 from pycls_fast.models import build_model
 

@@ -148,7 +148,10 @@ def shard(
     the data-parallel ranks of a model-parallel mesh (None: all ranks)."""
     if cfg.FSDP.ACTIVATION_CHECKPOINT:
         apply_activation_checkpointing(model)
-    apply_compile(model, cfg.TRAIN.COMPILE)
+    if cfg.TRAIN.CUDA_GRAPHS:
+        apply_compile(model, "model", mode="reduce-overhead")
+    else:
+        apply_compile(model, cfg.TRAIN.COMPILE)
     if fsdp_enabled(cfg):
         shard_model(model, cfg, mode, half, dp_mesh)
     return model
@@ -190,16 +193,17 @@ def parallelize(
     return wrap_data_parallel(model, cfg, mode, device, dp_mesh)
 
 
-def apply_compile(model: nn.Module, how: str) -> nn.Module:
+def apply_compile(model: nn.Module, how: str, mode: str | None = None) -> nn.Module:
     """TRAIN.COMPILE: torch.compile each encoder block ('block') or the whole model
     ('model'), in place (`Module.compile`: the module and its state-dict names stay),
     after activation checkpointing and before FSDP or DDP wrap it, torchtitan's
-    order. Compilation happens at the first call."""
+    order; `mode`: torch.compile's ('reduce-overhead': CUDA graphs, for
+    TRAIN.CUDA_GRAPHS). Compilation happens at the first call."""
     if how == "block":
         for block in encoder_blocks(model):
-            block.compile()
+            block.compile(mode=mode)
     elif how == "model":
-        model.compile()
+        model.compile(mode=mode)
     return model
 
 

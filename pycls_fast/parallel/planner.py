@@ -29,6 +29,11 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
   also the casts' half-precision gradients, which autograd holds to the end of
   each later micro-batch's backward (the cached casts' nodes are the oldest: run
   last), beyond what that micro-batch's freed activations make room for;
+- with AMP.FP8, the float8 layers' weights gathered by FSDP in float8 (1 byte;
+  tensorwise), none of their weights in autocast's cache (each use casts them to
+  float8 and lets go), and the eager float8 casts of the largest operand (an fp32
+  scaled copy, its clamp and the float8 result, 9 bytes an element of a micro-batch's
+  tokens x MLP_DIM / TP), counted with the autocast casts;
 - activations kept for backward, per block and image, by Korthikanti et al.
   ("Reducing Activation Recomputation in Large Transformer Models", 2022, eqs. 2-4):
   s*h*(34 + 5*a*s/h) bytes in 16-bit (twice in fp32), the 5*a*s/h of the
@@ -65,6 +70,7 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
+from pycls_fast.components.float8 import is_float8_layer
 from pycls_fast.components.optimizer import construct_optimizer
 from pycls_fast.components.precision import AmpMode, resolve_amp
 from pycls_fast.config import get_cfg, with_overrides
@@ -257,10 +263,19 @@ def rank_memory(cfg: CfgNode, c: Candidate, pp_rank: int, tensors=None) -> dict:
     return _stage_memory(cfg, c, pp_rank, bounds, tensors)
 
 
+def _float8_tensor(cfg, name: str) -> bool:
+    """Whether AMP.FP8 makes `name` a parameter of a float8 linear layer."""
+    return bool(cfg.AMP.FP8) and is_float8_layer(name.rsplit(".", 1)[0])
+
+
 def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, int]:
     """The bytes of pipeline rank `rank` (its stages rank and rank + PP)."""
     stages = list(range(rank, len(bounds), c.pp))
     mode, half = resolve_amp(cfg)
+    # AMP.FP8 tensorwise under FSDP all-gathers the float8 layers' weights in
+    # float8 (1 byte); their matmuls cast per use, nothing for autocast to cache.
+    fp8_gather = c.fsdp and cfg.AMP.FP8_RECIPE == "tensorwise"
+    block_fp8_numel = stage_fp8_numel = 0
     half_b = torch.finfo(half).bits // 8
     ln_fp32 = cfg.AMP.LAYER_NORM_FP32
     states = optimizer_states(cfg)
@@ -270,11 +285,17 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
         if not _on_stages(name, stages, bounds):
             continue
         shape = _tp_shape(name, shape, c.tp)
+        float8 = _float8_tensor(cfg, name)
+        cast = cast and not float8
         stage_numel += math.prod(shape)
+        if float8 and fp8_gather and name.endswith(".weight"):
+            stage_fp8_numel += math.prod(shape)
         autocast_numel += math.prod(shape) if cast else 0
         if _block_of(name) == bounds[stages[0]][0]:
             block_numel += math.prod(shape)
             block_cast_numel += math.prod(shape) if cast else 0
+            if float8 and fp8_gather and name.endswith(".weight"):
+                block_fp8_numel += math.prod(shape)
         n = _local_numel(shape, c.dp, c.fsdp)
         if mode is AmpMode.O3 or (
             mode is AmpMode.O2 and not c.fsdp and not (is_ln and ln_fp32)
@@ -298,16 +319,21 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
             # micro-batch's forward to the last one's backward, and its gradients
             # unsharded until then (set_reshard_after_backward(False),
             # set_requires_gradient_sync(False)): the whole stage, twice.
-            out["gathered"] = int(stage_numel * 2 * compute_b)
+            # (Float8 weights gathered in 1 byte; their gradients are not float8.)
+            out["gathered"] = int(
+                stage_numel * 2 * compute_b - stage_fp8_numel * (compute_b - 1)
+            )
         else:
-            # A block's unsharded gradients (in the compute dtype) and FSDP2's
-            # reduce-scatter input, made from them before they are freed (in the
-            # reduce dtype: fp32 under O1 and O2, half under O3): both live at once
-            # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py
-            # foreach_reduce, copy-in then `unsharded_grads.clear()`).
+            # Two blocks' weights (the one running, the one prefetched), float8
+            # ones in 1 byte; a block's unsharded gradients (in the compute
+            # dtype) and FSDP2's reduce-scatter input, made from them before they
+            # are freed (in the reduce dtype: fp32 under O1 and O2, half under
+            # O3): both live at once (torch/distributed/fsdp/_fully_shard/
+            # _fsdp_collectives.py foreach_reduce, copy-in then
+            # `unsharded_grads.clear()`).
             reduce_b = half_b if mode is AmpMode.O3 else 4
-            block_b = 2 * compute_b + compute_b + reduce_b
-            out["gathered"] = int(block_numel * block_b)
+            gathered = (block_numel - block_fp8_numel) * compute_b + block_fp8_numel
+            out["gathered"] = int(2 * gathered + block_numel * (compute_b + reduce_b))
             if cfg.TRAIN.ACCUM_STEPS > 1:
                 # Between micro-batches the gradient reduction is off
                 # (set_requires_gradient_sync(False)): FSDP2 keeps every
@@ -326,6 +352,14 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
         cast_numel = block_cast_numel
     out["autocast"] = cast_numel * half_b if mode is AmpMode.O1 else 0
     images = cfg.TRAIN.BATCH_SIZE // c.dp // cfg.TRAIN.ACCUM_STEPS
+    if cfg.AMP.FP8:
+        # Float8's casts, counted with autocast's: torchao's eager cast of the
+        # largest float8 operand (a micro-batch's tokens x MLP_DIM / TP: linear_2's
+        # input, linear_1's output gradient) scales it in an fp32 copy, clamps it in
+        # another and keeps the float8 result: 4 + 4 + 1 bytes an element, at the
+        # step's peak (measured by engine/dry_run.py; compiled, the casts fuse).
+        tokens = images / (c.micro if c.pp > 1 else 1) * _seq_len(cfg)
+        out["autocast"] += int(9 * tokens * cfg.VIT.MLP_DIM / c.tp)
     layers = sum(bounds[s][1] - bounds[s][0] for s in stages)
     if c.pp > 1:
         m = c.micro

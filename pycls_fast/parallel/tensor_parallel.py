@@ -94,37 +94,43 @@ def _canonical_runs(
     return runs
 
 
-def _block_plan(seq_dim: int, sp: bool) -> dict:
-    """The ParallelStyles of one encoder block (names relative to the block)."""
+def _block_plan(seq_dim: int, sp: bool, styles: dict | None = None) -> dict:
+    """The ParallelStyles of one encoder block (names relative to the block).
+    `styles`: other classes for the 'colwise', 'rowwise' and module 'input' styles
+    (AMP.FP8's float8 ones, components/float8.py), else torch's."""
+    styles = styles or {}
+    colwise = styles.get("colwise", ColwiseParallel)
+    rowwise = styles.get("rowwise", RowwiseParallel)
+    prepare = styles.get("input", PrepareModuleInput)
     if not sp:
         return {
-            "self_attention.attn_proj": ColwiseParallel(),
-            "self_attention.out_proj": RowwiseParallel(),
-            "mlp_block.linear_1": ColwiseParallel(),
-            "mlp_block.linear_2": RowwiseParallel(),
+            "self_attention.attn_proj": colwise(),
+            "self_attention.out_proj": rowwise(),
+            "mlp_block.linear_1": colwise(),
+            "mlp_block.linear_2": rowwise(),
         }
     seq = Shard(seq_dim)
-    gather = PrepareModuleInput(
-        input_layouts=(seq,), desired_input_layouts=(Replicate(),)
-    )
     return {
         "ln_1": SequenceParallel(sequence_dim=seq_dim),
-        "self_attention": gather,
-        "self_attention.attn_proj": ColwiseParallel(),
-        "self_attention.out_proj": RowwiseParallel(output_layouts=seq),
-        "ln_2": SequenceParallel(sequence_dim=seq_dim),
-        "mlp_block": PrepareModuleInput(
+        "self_attention": prepare(
             input_layouts=(seq,), desired_input_layouts=(Replicate(),)
         ),
-        "mlp_block.linear_1": ColwiseParallel(),
-        "mlp_block.linear_2": RowwiseParallel(output_layouts=seq),
+        "self_attention.attn_proj": colwise(),
+        "self_attention.out_proj": rowwise(output_layouts=seq),
+        "ln_2": SequenceParallel(sequence_dim=seq_dim),
+        "mlp_block": prepare(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+        ),
+        "mlp_block.linear_1": colwise(),
+        "mlp_block.linear_2": rowwise(output_layouts=seq),
     }
 
 
-def apply_tp(model: ViT, tp_mesh, sp: bool) -> ViT:
+def apply_tp(model: ViT, tp_mesh, sp: bool, styles: dict | None = None) -> ViT:
     """Splits every encoder block of `model` over the 1-D mesh `tp_mesh` (in place,
     before FSDP; the model is on the meta device, or its weights are equal on all
-    its ranks). `sp`: sequence parallelism (see `sequence_parallel`)."""
+    its ranks). `sp`: sequence parallelism (see `sequence_parallel`); `styles`:
+    see `_block_plan`."""
     tp = tp_mesh.size()
     seq_dim = 1 if model.batch_first else 0
     seq = Shard(seq_dim)
@@ -140,7 +146,7 @@ def apply_tp(model: ViT, tp_mesh, sp: bool) -> ViT:
                 attn.attn_proj.bias.copy_(attn.attn_proj.bias[order])
         # torchtitan's way: the module's head count becomes this rank's.
         attn.n_heads = attn.n_heads // tp
-        plan = _block_plan(seq_dim, sp)
+        plan = _block_plan(seq_dim, sp, styles)
         for name in ("q_norm", "k_norm"):
             # QK-norm's LayerNorm is shared by all heads and sees this rank's heads
             # only ((batch, heads, seq, head_d): dim 1): as a sequence-parallel norm,

@@ -42,3 +42,25 @@ def test_loader_scaling_benchmark(tmp_path):
     assert figures["checks"]["1"]["projected"] == pytest.approx(
         1e3 / figures["cpu_ms"], rel=EXACT["rtol"]
     )
+
+
+def test_contention_benchmark(tmp_path):
+    out = tmp_path / "contention.json"
+    result = run_benchmark("contention",
+        "--gen-dir", str(tmp_path / "data"), "--images", "64", "--im-size", "64",
+        "--batch-size", "4", "--rounds", "2", "--seconds", "0.3", "--step-depth", "2",
+        "--recipes", "deit", "--modes", "none,threads,subprocess",
+        "--max-tries", "1", "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    cells = [(r["recipe"], r["mode"]) for r in rows]
+    assert cells == [("deit", "none"), ("deit", "threads"), ("deit", "subprocess")]
+    alone = rows[0]
+    # The step alone is its own reference, round by round.
+    assert alone["slowdown_rounds"] == [1.0, 1.0]
+    for row in rows:
+        assert row["step_cpu_ms"] > 0 and row["step_ms"] > 0
+        assert len(row["slowdown_rounds"]) == 2
+        assert (row["img_per_s"] > 0) == (row["mode"] != "none")
+    assert "| deit | subprocess |" in result.stdout

@@ -57,3 +57,23 @@ def test_compiled_blocks_compose_with_fsdp_and_activation_checkpointing():
     )
     assert torch.tensor(compiled).isfinite().all()
     assert compiled == pytest.approx(eager, rel=EXACT["rtol"], abs=EXACT["atol"])
+
+
+def test_cuda_graphs_compile_the_whole_model_and_train_as_eager(monkeypatch):
+    # On a CPU, 'reduce-overhead' compiles without graphs: the math must be eager's.
+    modes, marks = [], []
+    real = torch.nn.Module.compile
+
+    def compile_(module, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return real(module, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_)
+    monkeypatch.setattr(
+        torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1)
+    )
+    graphs, blocks, whole = _losses(_cfg("TRAIN.CUDA_GRAPHS", "True"), steps=3)
+    assert whole and not any(blocks) and modes == ["reduce-overhead"]
+    assert len(marks) == 3  # a new step of replays begins before each step
+    eager, _, _ = _losses(_cfg(), steps=3)
+    assert graphs == pytest.approx(eager, rel=EXACT["rtol"], abs=EXACT["atol"])

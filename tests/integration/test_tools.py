@@ -194,6 +194,7 @@ def test_bench_loader_runs_every_mode_on_the_same_images(tmp_path):
         "ceiling",
         "threads",
         "spdl",
+        "subprocess",
         "threads-per-image",
         "processes",
     }
@@ -229,9 +230,10 @@ def test_check_node_times_one_rank_of_a_sharded_config():
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
     assert [r["check"] for r in rows] == [
-        "loader vs step demand (ViT-22B-14.yaml, 16 images per rank)"
+        "loader vs step demand (ViT-22B-14.yaml, 16 images per rank)",
+        "loader cores per GPU (crop + flip + AutoAugment)",
     ]
-    assert rows[0]["verdict"] in ("ok", "warning")
+    assert {r["verdict"] for r in rows} <= {"ok", "warning"}
     assert "(timed at 1 of 2 blocks: the rank does not fit" in rows[0]["result"]
 
 
@@ -251,10 +253,20 @@ def test_check_node_on_cpu_reports_every_check():
         "matmul peak bfloat16": "ok",
         "matmul peak float16": "ok",
         "loader vs step demand": "ok",
+        "loader cores per GPU": verdicts["loader cores per GPU"],
         "GPU checks": "skipped",
     }, rows
     table = result.stdout.splitlines()
     assert any(x.startswith("DDP vs FSDP, 2 CPU processes, gloo") for x in table)
+    # The recipe's cores per GPU: its CPU per image times the step's images/s, and a
+    # warning exactly when that passes this machine's cores.
+    cores = next(r for r in rows if r["check"].startswith("loader cores per GPU"))
+    ms, rate, need, here = map(float, re.findall(r"[0-9.]+", cores["result"]))
+    assert need == pytest.approx(
+        ms * rate / 1e3, abs=0.05 + 0.005 * rate / 1e3 + ms / 2e3
+    )
+    assert here == len(os.sched_getaffinity(0))
+    assert cores["verdict"] == ("ok" if need <= here else "warning")
     # Each thing said once: no warning about the checks' own AMP overrides, no
     # "skipped  skipped".
     assert "MIXED_PRECISION True is ignored" not in result.stdout + result.stderr

@@ -321,6 +321,18 @@ def test_base_inheritance(tmp_path):
             "VIT.ATTENTION 'sdpa_flash' needs fp16 / bf16 inputs",
         ),
         (["VIT.ATTENTION", "sdpa_cudnn"], "VIT.ATTENTION 'sdpa_cudnn' needs fp16"),
+        (
+            ["TRAIN.CUDA_GRAPHS", "True", "NUM_GPUS", "2", "FSDP.ENABLED", "True"],
+            "TRAIN.CUDA_GRAPHS True does not work with FSDP.ENABLED",
+        ),
+        (
+            ["TRAIN.CUDA_GRAPHS", "True", "NUM_GPUS", "2", "PARALLEL.PP", "2"],
+            "TRAIN.CUDA_GRAPHS True does not work with PARALLEL.PP",
+        ),
+        (
+            ["TRAIN.CUDA_GRAPHS", "True", "TRAIN.COMPILE", "block"],
+            "does not work with TRAIN.COMPILE 'block'",
+        ),
     ],
 )
 def test_bad_values_name_the_key(opts, message):

@@ -14,7 +14,8 @@ from packaging.requirements import Requirement
 from tests.helpers import ROOT
 
 RUNTIME = ["torch", "timm", "spdl", "yacs", "numpy", "pillow", "pyyaml", "psutil",
-           "tqdm", "matplotlib", "submitit", "fsspec", "scikit-learn"]  # fmt: skip
+           "tqdm", "matplotlib", "submitit", "fsspec", "scikit-learn",
+           "torchao"]  # fmt: skip
 
 
 def _norm(name):

@@ -11,6 +11,19 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
+# ImageNet-1k's train images are mostly 500 pixels on the long side at 4:3 (500x375,
+# 375x500) or 3:2, with smaller images and a few large ones (mean about 400x350).
+# `imagenet_like_size` draws from this mixture (shares of images; landscape 3 of 4):
+# long side 500 at 4:3 or 3:2, long side uniform in [100, 500) at 4:3, 3:2, 1:1 or
+# 16:9, long side uniform in [600, 1600] at 4:3 or 3:2. Its mean is about 420x360.
+_SIZE_MIXTURE = (
+    (0.50, (500, 500), (4 / 3,)),
+    (0.08, (500, 500), (3 / 2,)),
+    (0.38, (100, 500), (4 / 3, 3 / 2, 1.0, 16 / 9)),
+    (0.04, (600, 1600), (4 / 3, 3 / 2)),
+)
+_LANDSCAPE = 0.75
+
 
 def _source_photos():
     """Returns the sample photos as a list of HWC uint8 RGB arrays."""
@@ -41,12 +54,23 @@ def make_image(
     return Image.fromarray(np.ascontiguousarray(crop)).resize(size, Image.BILINEAR)
 
 
+def imagenet_like_size(rng: np.random.Generator) -> tuple[int, int]:
+    """A (width, height) drawn from `_SIZE_MIXTURE`, ImageNet-1k's train sizes."""
+    weights = [share for share, _, _ in _SIZE_MIXTURE]
+    _, (low, high), aspects = _SIZE_MIXTURE[rng.choice(len(weights), p=weights)]
+    long_side = int(rng.integers(low, high + 1)) if high > low else low
+    short_side = max(1, round(long_side / aspects[rng.integers(len(aspects))]))
+    if rng.random() < _LANDSCAPE:
+        return long_side, short_side
+    return short_side, long_side
+
+
 def make_image_folder(
     root: str,
     splits: Sequence[str] = ("train", "val"),
     num_classes: int = 4,
     images_per_class: int = 8,
-    size: tuple[int, int] = (500, 375),
+    size: tuple[int, int] | str = (500, 375),
     quality: int = 95,
     seed: int = 0,
 ) -> str:
@@ -54,8 +78,8 @@ def make_image_folder(
 
     Classes are named like WordNet ids (`n00000000`, `n00000001`, ...). `size` is the
     (width, height) of the images, 500x375 by default (ImageNet's most common size;
-    at quality 95 such a file is about 20-100 KB, median 60 KB). Deterministic for a
-    given `seed`.
+    at quality 95 such a file is about 20-100 KB, median 60 KB), or "imagenet": each
+    image's own size drawn by `imagenet_like_size`. Deterministic for a given `seed`.
     """
     rng = np.random.default_rng(seed)
     photos = _source_photos()
@@ -64,7 +88,8 @@ def make_image_folder(
             folder = os.path.join(root, split, f"n{c:08d}")
             os.makedirs(folder, exist_ok=True)
             for i in range(images_per_class):
-                im = make_image(rng, photos, size)
+                shape = imagenet_like_size(rng) if size == "imagenet" else size
+                im = make_image(rng, photos, shape)
                 path = os.path.join(folder, f"{split}_{c:04d}_{i:06d}.JPEG")
                 im.save(path, quality=quality)
     return root

@@ -8,16 +8,23 @@
 - `color_jitter`: torchvision's `ColorJitter(b, c, s)` (no hue): brightness, contrast
   and saturation factors uniform in [max(0, 1 - x), 1 + x], applied in a random order.
 
-The operations are torchvision's and Pillow's own functions; only the random draws are
-made here, from the image's own generator, so that augmented batches do not depend on
-the thread that decodes an image, and resume and rank independence stay exact (the
-torchvision transforms draw from torch's global generator).
+3-Augment and colour jitter come twice: on uint8 (H, W, 3) tensors
+(`three_augment_tensor`, `color_jitter_tensor`: pixel_ops, the same pixels as
+Pillow's without holding the GIL; TRAIN.AUGMENT_BACKEND tensor) and as torchvision's
+and Pillow's own functions on PIL images (TRAIN.AUGMENT_BACKEND pil). Only the random
+draws are made here, the same ones for both, from the image's own generator, so that
+augmented batches do not depend on the thread that decodes an image, and resume and
+rank independence stay exact (the torchvision transforms draw from torch's global
+generator).
 """
 
 import random
 
 import numpy as np
+import torch
 from PIL import Image, ImageFilter, ImageOps
+
+from pycls_fast.datasets.images import pixel_ops
 
 BLUR_RADIUS = (0.1, 2.0)  # DeiT III's GaussianBlur(radius_min, radius_max)
 SOLARIZE_THRESHOLD = 128  # PIL's default, as DeiT III's Solarization uses
@@ -50,6 +57,16 @@ def three_augment(im: Image.Image, rng: random.Random) -> Image.Image:
     return im.filter(ImageFilter.GaussianBlur(radius=radius))
 
 
+def three_augment_tensor(img: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """`three_augment` on a uint8 (H, W, 3) tensor: the same draws, the same pixels."""
+    choice = rng.randrange(3)
+    if choice == 0:
+        return pixel_ops.grayscale(img)
+    if choice == 1:
+        return pixel_ops.solarize(img, SOLARIZE_THRESHOLD)
+    return pixel_ops.gaussian_blur(img, rng.uniform(*BLUR_RADIUS))
+
+
 def jitter_params(strength: float, rng: random.Random) -> tuple[list[int], list[float]]:
     """(order of the three operations, their factors) for ColorJitter(strength x 3)."""
     lo, hi = max(0.0, 1.0 - strength), 1.0 + strength
@@ -70,3 +87,15 @@ def color_jitter(im: Image.Image, strength: float, rng: random.Random) -> Image.
     for k in order:
         im = ops[k](im, factors[k])
     return im
+
+
+def color_jitter_tensor(
+    img: torch.Tensor, strength: float, rng: random.Random
+) -> torch.Tensor:
+    """`color_jitter` on a uint8 (H, W, 3) tensor: the same draws, the same pixels
+    (torchvision's PIL functions are ImageEnhance's Brightness, Contrast, Color)."""
+    ops = (pixel_ops.brightness, pixel_ops.contrast, pixel_ops.color)
+    order, factors = jitter_params(strength, rng)
+    for k in order:
+        img = ops[k](img, factors[k])
+    return img

@@ -4,12 +4,20 @@ size written into its row of the batch.
 Train: random-resized-crop (or DeiT III's simple random crop, DATA.TRAIN_CROP) +
 horizontal flip at TRAIN.IM_SIZE, then the optional DeiT III 3-Augment
 (TRAIN.THREE_AUGMENT), colour jitter (TRAIN.COLOR_JITTER) and TRAIN.AUGMENT policy
-(timm's AutoAugment / RandAugment); augment.py holds the DeiT pieces.
+(timm's AutoAugment / RandAugment / AugMix); augment.py holds the DeiT pieces.
 Test: resize the shorter side to TEST.IM_SIZE and center-crop TRAIN.IM_SIZE (pycls).
 The train crop is resized by torch's uint8 antialiased bilinear kernel
 (`EncodedImage.crop_flip_resize_into`, JPEGs decoded without Pillow's header
 parsing); the test crop by Pillow (`resize(box=...)`, exact pycls resize-then-crop at
 fractional boxes); both on a reduced-size JPEG decode where that keeps enough pixels.
+
+With TRAIN.AUGMENT_BACKEND tensor (the default) the augmentations run on the crop
+where it was resized to, the image's row of the batch buffer, as torch ops
+(policies.py, pixel_ops.py, geometry_ops.py: Pillow's pixels, the GIL released), and
+draw from the image's own generator: augmented batches are reproducible and the same
+in every loader mode. TRAIN.AUGMENT_BACKEND pil keeps the reference: the crop resized
+by Pillow, then timm's and torchvision's PIL operations (timm's draws from the global
+`random`).
 Colour normalization and PCA lighting are not here: they run on the device
 (pycls_fast/datasets/to_device/transform.py), so batches stay uint8 on the host.
 """
@@ -17,15 +25,20 @@ Colour normalization and PCA lighting are not here: they run on the device
 import math
 import random
 import re
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 from PIL import Image
 from yacs.config import CfgNode
 
 from pycls_fast.datasets.images import augment as deit
+from pycls_fast.datasets.images import policies
 from pycls_fast.datasets.images.decode import EncodedImage, crop_resize, to_rgb
 from pycls_fast.errors import ConfigError
+
+BACKENDS = ("tensor", "pil")
 
 # ImageNet mean in 0-255, timm's fill colour for geometric augmentations.
 _FILL = (124, 116, 104)
@@ -118,21 +131,74 @@ def make_augment(
         augment = f"rand-n{n}-m{m}-p{p}"
     try:
         if augment.startswith("rand"):
-            return rand_augment_transform(augment, hparams)
-        if augment.startswith("augmix"):
-            return augment_and_mix_transform(augment, {**hparams, "translate_pct": 0.3})
-        return auto_augment_transform(augment, hparams)
+            transform = rand_augment_transform(augment, hparams)
+        elif augment.startswith("augmix"):
+            hparams["translate_pct"] = 0.3
+            transform = augment_and_mix_transform(augment, hparams)
+        else:
+            transform = auto_augment_transform(augment, hparams)
     except (AssertionError, ValueError, KeyError, IndexError) as e:
         raise ConfigError(
             f"TRAIN.AUGMENT {augment!r} is not a timm augmentation string "
             "('rand-m9-mstd0.5-inc1', 'augmix-m5-w4-d2', 'original', ...) nor pycls's "
             f"('AutoAugment', 'RandAugment_N2_M0.5'): {e}"
         ) from None
+    for op in _timm_ops(transform):
+        if op.name.startswith("Posterize"):
+            op.aug_fn = posterize_pil
+    return transform
+
+
+def _timm_ops(transform):
+    """The AugmentOps of a timm RandAugment, AugMixAugment or AutoAugment."""
+    if hasattr(transform, "ops"):
+        return list(transform.ops)
+    return [op for sub in transform.policy for op in sub]
+
+
+def posterize_pil(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
+    """timm's posterize as it was before Pillow 13: 0 bits clears every bit (timm's
+    'rand-m9-mstd0.5-inc1' asks for 0 bits in ~0.15% of images; Pillow 13's
+    ImageOps.posterize raises ValueError for it, and the image was dropped as bad)."""
+    from PIL import ImageOps
+
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size, 0)
+    return ImageOps.posterize(img, bits_to_keep)
+
+
+class _IntraOpThreads(threading.local):
+    one = False
+
+
+_intra_op = _IntraOpThreads()
+
+
+def one_intra_op_thread() -> None:
+    """Runs this thread's torch ops on one core (once per thread; not in the main
+    thread, whose torch ops are the training's).
+
+    The augmentations' tensors are large enough for torch to split each op over its
+    intra-op threads: every decoding thread would then start a team of its own,
+    oversubscribing the cores (and a process forked afterwards can hang in OpenMP).
+    With torch's OpenMP backend the setting is this thread's own, but torch also keeps
+    it as the default of threads that start torch work later; TrainTransform's
+    constructor settles the constructing (main) thread's own first.
+    """
+    if _intra_op.one or threading.current_thread() is threading.main_thread():
+        return
+    if torch.get_num_threads() > 1:
+        torch.set_num_threads(1)
+    _intra_op.one = True
 
 
 class TrainTransform:
     """Random-resized-crop (or DeiT III's simple random crop) + flip (+ 3-Augment,
-    colour jitter, AutoAugment / RandAugment) to `im_size` x `im_size` RGB."""
+    colour jitter, AutoAugment / RandAugment / AugMix) to `im_size` x `im_size` RGB;
+    `augment_backend` 'tensor' (torch ops on the crop in the batch row) or 'pil'
+    (the reference: Pillow, timm and torchvision on PIL images)."""
 
     def __init__(
         self,
@@ -144,9 +210,19 @@ class TrainTransform:
         three_augment: bool = False,
         color_jitter: float = 0.0,
         augment_interpolation: str = "random",
+        augment_backend: str = "tensor",
     ) -> None:
+        if augment_backend not in BACKENDS:
+            raise ConfigError(
+                f"TRAIN.AUGMENT_BACKEND {augment_backend!r}: one of {BACKENDS}"
+            )
         self.out_size = (im_size, im_size)
+        self.tensor = augment_backend == "tensor"
+        if self.tensor:
+            torch.get_num_threads()  # settles this thread's intra-op threads
         self.augment = make_augment(augment, im_size, augment_interpolation)
+        if self.tensor and self.augment is not None:
+            self.augment = policies.from_timm(self.augment)
         self.scale = tuple(scale)
         self.hflip = hflip
         self.simple_crop = crop == "simple_random"
@@ -162,11 +238,13 @@ class TrainTransform:
         """Writes the transformed `image` into `out`.
 
         `image`: an EncodedImage (not yet decoded); `rng`: a `random.Random`; `out`:
-        writable uint8 (im_size, im_size, 3) array. With TRAIN.AUGMENT, timm's policies
-        work on PIL images, so that path resizes with Pillow. timm's augmentations
-        draw from the global `random` module, so with TRAIN.AUGMENT set, results are
-        not reproducible across runs of a multi-threaded loader.
+        writable uint8 (im_size, im_size, 3) array. Every draw comes from `rng`, in the
+        order crop, flip, 3-Augment, colour jitter, TRAIN.AUGMENT; with the 'pil'
+        backend timm's TRAIN.AUGMENT draws from the global `random` module instead, so
+        its results are not reproducible across runs of a multi-threaded loader.
         """
+        if self.tensor:
+            return self._tensor_path(image, rng, out)
         if self.simple_crop:
             im = deit.simple_random_crop(to_rgb(image.pil()), self.out_size[0], rng)
             flip = rng.random() < self.hflip
@@ -187,6 +265,32 @@ class TrainTransform:
         if self.augment is not None:
             im = self.augment(im)
         _write(im, out)
+
+    def _tensor_path(self, image, rng, out):
+        if self.simple_crop:
+            im = deit.simple_random_crop(to_rgb(image.pil()), self.out_size[0], rng)
+            flip = rng.random() < self.hflip
+            if flip:
+                im = im.transpose(Image.FLIP_LEFT_RIGHT)
+            _write(im, out)
+        else:
+            box = random_resized_crop_box(*image.size, rng, scale=self.scale)
+            flip = rng.random() < self.hflip
+            image.crop_flip_resize_into(box, out, flip)
+            if self.direct:
+                return
+        one_intra_op_thread()
+        row = torch.from_numpy(out)
+        x = row
+        # DeiT III's order: crop and flip, 3-Augment, colour jitter.
+        if self.three_augment:
+            x = deit.three_augment_tensor(x, rng)
+        if self.color_jitter:
+            x = deit.color_jitter_tensor(x, self.color_jitter, rng)
+        if self.augment is not None:
+            x = self.augment(x, rng)
+        if x is not row:
+            row.copy_(x)
 
 
 class TestTransform:
@@ -229,5 +333,6 @@ def build_transform(
             cfg.TRAIN.THREE_AUGMENT,
             cfg.TRAIN.COLOR_JITTER,
             cfg.TRAIN.AUGMENT_INTERPOLATION,
+            cfg.TRAIN.AUGMENT_BACKEND,
         )
     return TestTransform(cfg.TRAIN.IM_SIZE, cfg.TEST.IM_SIZE)

@@ -33,6 +33,13 @@ def image_seed(seed: int, epoch: int, index: int) -> int:
     return ((seed * 1_000_003 + epoch) << 32) + int(index)
 
 
+# Draws per bad image when replacing it, before its row is given up.
+MAX_REPLACEMENTS = 16
+# The virtual copy number of the first replacement draw: far above any repeat count
+# (TRAIN.REPEATED_AUG), so a replacement's seed is never a repeat's.
+REPLACEMENT_COPY = 1 << 20
+
+
 class BufferPool:
     """Batch buffers handed out again once nothing refers to them any more.
 
@@ -84,8 +91,12 @@ class ImageDecoder:
         im_size: int,
         seed: int,
         pin_memory: bool = False,
+        replace_bad: bool = False,
     ) -> None:
         self.index = index
+        # A bad image's row gets another image instead of being dropped (batches of
+        # a fixed size: CUDA graphs, compiled steps).
+        self.replace_bad = replace_bad
         self.transform = transform
         self.shape = (im_size, im_size, 3)
         self.seed = seed
@@ -118,20 +129,43 @@ class ImageDecoder:
                 image.close()
         return None
 
+    def decode(self, i: int, epoch: int, out: np.ndarray) -> tuple[int, list]:
+        """Decodes image `i` into `out` (writable uint8 (H, W, 3)); returns (the index
+        whose image `out` now holds, or -1 for none, [(path, error)] of the bad images
+        met). With `replace_bad`, a bad image's place goes to images drawn from
+        (seed, epoch, i), the same draws in every mode and run, each decoded under a
+        virtual index of its own (so with a crop of its own); -1 only if
+        MAX_REPLACEMENTS draws in a row are bad too."""
+        bad = self.load_into(i, epoch, out)
+        if bad is None:
+            return i, []
+        found = [bad]
+        if self.replace_bad:
+            draws = random.Random(f"replace-{image_seed(self.seed, epoch, i)}")
+            n = len(self.index)
+            for attempt in range(MAX_REPLACEMENTS):
+                j = draws.randrange(n) + n * (REPLACEMENT_COPY + attempt)
+                bad = self.load_into(j, epoch, out)
+                if bad is None:
+                    return j, found
+                found.append(bad)
+        return -1, found
+
     def label(self, i: int) -> int:
         """The label of image `i` (a repeat's virtual index included)."""
         return int(self.index.labels[i % len(self.index)])
 
-    def load(self, i: int, epoch: int) -> np.ndarray | tuple[str, str]:
-        """Returns image `i` as a new uint8 (H, W, 3) array, or (path, error) if the
-        file cannot be decoded."""
+    def load(self, i: int, epoch: int) -> tuple[np.ndarray | None, int, list]:
+        """(image `i`, or its replacement, as a new uint8 (H, W, 3) array or None;
+        its label; the bad images met): `decode` into a fresh array."""
         out = np.empty(self.shape, dtype=np.uint8)
-        bad = self.load_into(i, epoch, out)
-        return out if bad is None else bad
+        used, bad = self.decode(i, epoch, out)
+        return (out, self.label(used), bad) if used >= 0 else (None, -1, bad)
 
     def new_batch(self, indices: Sequence[int] | np.ndarray) -> "PartialBatch":
         """Returns an empty PartialBatch for `indices` (int array), to be filled."""
-        return PartialBatch(self, np.asarray(indices))
+        # A copy: rows of replaced images change their index, the plan stays.
+        return PartialBatch(self, np.array(indices, dtype=np.int64))
 
     def load_batch(self, indices: Sequence[int] | np.ndarray, epoch: int) -> Batch:
         """Decodes `indices` (int array) into one Batch, skipping bad images."""
@@ -177,10 +211,11 @@ class PartialBatch:
         """Decodes rows `start` to `stop` (exclusive) of the batch; returns self."""
         buf = self.images.numpy()
         for row in range(start, stop):
-            bad = self.decoder.load_into(self.indices[row], epoch, buf[row])
-            if bad is not None:
-                self.ok[row] = False
-                self.bad.append(bad)  # list.append is atomic: safe across threads.
+            used, bad = self.decoder.decode(self.indices[row], epoch, buf[row])
+            if bad:
+                self.bad.extend(bad)  # list.extend is atomic: safe across threads.
+                self.ok[row] = used >= 0
+                self.indices[row] = used  # the label follows the replacement
         return self
 
     def finish(self) -> Batch:
@@ -189,10 +224,13 @@ class PartialBatch:
         labels = index.labels[self.indices % len(index)]
         if self.ok.all():
             return make_batch(self.images, labels, self.bad)
-        # numpy's copy (one thread): torch's indexing would start intra-op threads in
-        # whichever thread assembles the batch.
-        good = torch.from_numpy(self.images.numpy()[self.ok])
-        return make_batch(good, labels[self.ok], self.bad)
+        # Compacted in place, so that the batch stays in its buffer (the pool's, or
+        # the slot that 'subprocess' mode hands to the training process); by numpy
+        # (one thread): torch's indexing would start intra-op threads in whichever
+        # thread assembles the batch.
+        buf, count = self.images.numpy(), int(self.ok.sum())
+        buf[:count] = buf[self.ok]
+        return make_batch(self.images[:count], labels[self.ok], self.bad)
 
 
 def make_batch(

@@ -16,8 +16,8 @@ from pycls_fast.datasets.modes.batch import Batch, ImageDecoder, make_batch
 
 
 class _EpochDataset(torch.utils.data.Dataset):
-    """Map-style dataset over a FileIndex for one epoch; items are uint8 HWC arrays,
-    or (path, error) for a bad image."""
+    """Map-style dataset over a FileIndex for one epoch; items are `ImageDecoder.load`'s
+    (uint8 HWC array or None, label, bad images met)."""
 
     def __init__(self, decoder, epoch):
         self.decoder = decoder
@@ -27,7 +27,7 @@ class _EpochDataset(torch.utils.data.Dataset):
         return len(self.decoder.index)
 
     def __getitem__(self, i):
-        return self.decoder.load(i, self.epoch), self.decoder.label(i)
+        return self.decoder.load(i, self.epoch)
 
 
 def _collate(shape, items):
@@ -36,8 +36,8 @@ def _collate(shape, items):
     In a worker, the array is allocated in shared memory (as torch's default_collate
     does), so that sending the batch to the training process copies nothing.
     """
-    good = [(x, y) for x, y in items if not isinstance(x, tuple)]
-    bad = [x for x, _ in items if isinstance(x, tuple)]
+    good = [(x, y) for x, y, _ in items if x is not None]
+    bad = [b for _, _, found in items for b in found]
     out = torch.empty((len(good), *shape), dtype=torch.uint8)
     if torch.utils.data.get_worker_info() is not None:
         out.share_memory_()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pycls_fast.config import ConfigError
+from pycls_fast.datasets import loader as loader_module
 from pycls_fast.datasets.formats.synthetic import make_image_folder
 from pycls_fast.datasets.loader import (
     BadImagesError,
@@ -98,7 +99,7 @@ def test_all_modes_yield_identical_batches(data_root, tmp_path):
         construct_train_loader(_cfg(data_root, tmp_path, DATA_LOADER__NUM_WORKERS=0)), 2
     )
     assert len(threads) == len(inline) == 4
-    for mode in ("spdl", "processes"):
+    for mode in ("spdl", "processes", "subprocess"):
         cfg = _cfg(data_root, tmp_path, DATA_LOADER__MODE=mode)
         other = one_epoch(construct_train_loader(cfg), 2)
         assert len(other) == 4
@@ -107,7 +108,7 @@ def test_all_modes_yield_identical_batches(data_root, tmp_path):
             assert torch.equal(x, s) and torch.equal(y, t)
 
 
-@pytest.mark.parametrize("mode", ["threads", "spdl", "processes"])
+@pytest.mark.parametrize("mode", ["threads", "spdl", "processes", "subprocess"])
 def test_with_plan_yields_the_fixed_batches_in_that_mode(data_root, tmp_path, mode):
     loader = construct_train_loader(_cfg(data_root, tmp_path))
     plan = [np.array([5, 0, 17]), np.array([3, 3])]
@@ -168,7 +169,7 @@ def _corrupt(root, tmp_path):
     return bad_root, victim
 
 
-@pytest.mark.parametrize("mode", ["threads", "spdl", "processes"])
+@pytest.mark.parametrize("mode", ["threads", "spdl", "processes", "subprocess"])
 def test_corrupt_images_skipped_counted_logged(tmp_path, caplog, mode):
     bad_root, victim = _corrupt(None, tmp_path)
     cfg = _cfg(bad_root, tmp_path, TRAIN__BATCH_SIZE=17, DATA_LOADER__MAX_BAD_FRAC=0.2)
@@ -270,3 +271,36 @@ def test_stage_stats_logged_on_request(data_root, tmp_path, caplog):
         )
     assert "threads busy" not in caplog.text  # off by default
     assert "Occupancy rate" not in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["threads", "processes", "subprocess"])
+def test_replaced_bad_images_keep_batches_full_and_counted(tmp_path, mode):
+    bad_root, victim = _corrupt(None, tmp_path)
+    cfg = _cfg(bad_root, tmp_path, TRAIN__BATCH_SIZE=17, DATA_LOADER__MAX_BAD_FRAC=0.2)
+    cfg.MODEL.NUM_CLASSES = 2
+    cfg.DATA_LOADER.REPLACE_BAD = True
+    cfg.DATA_LOADER.MODE = mode
+    loader = construct_train_loader(cfg)
+    (batch,) = one_epoch(loader)
+    assert batch[0].shape == (17, 3, 32, 32)  # full: two images stood in
+    assert loader.stats()["bad_images"] >= 2
+    assert victim in {p for p, _ in loader.bad_images}
+    # The stand-ins are good images of the split, each with its own label and crop
+    # (decoded as virtual copies): the same in every mode and run.
+    cfg.DATA_LOADER.MODE = "threads"
+    (again,) = one_epoch(construct_train_loader(cfg))
+    assert torch.equal(batch[0], again[0]) and torch.equal(batch[1], again[1])
+    plan = construct_train_loader(cfg).plan(0)[0]
+    index = loader.decoder.index
+    bad_rows = [r for r, i in enumerate(plan) if index.path(i % len(index)).endswith(
+        ("zz.JPEG", os.path.basename(victim)))]  # fmt: skip
+    assert len(bad_rows) == 2
+    labels = index.labels
+    for r in range(17):
+        if r not in bad_rows:
+            assert batch[1][r] == labels[plan[r] % len(index)]
+    # A test loader never replaces: every image is evaluated once, or not at all.
+    assert not loader_module._decoder(cfg, index, train=False).replace_bad
+    # CUDA graphs replay fixed shapes: their training batches are always full.
+    cfg.DATA_LOADER.REPLACE_BAD, cfg.TRAIN.CUDA_GRAPHS = False, True
+    assert loader_module._decoder(cfg, index, train=True).replace_bad

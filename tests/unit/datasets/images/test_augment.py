@@ -156,3 +156,22 @@ def test_train_transform_with_deit_pieces_depends_only_on_the_seed():
         transform(image, random.Random(seed), out)
         outs.append(out)
     assert np.array_equal(outs[0], outs[1]) and not np.array_equal(outs[0], outs[2])
+
+
+def test_three_augment_and_color_jitter_on_tensors_are_the_pil_forms():
+    """The tensor forms (TRAIN.AUGMENT_BACKEND tensor) make the same draws and give
+    the same pixels as the PIL forms above, each branch and each order."""
+    im = _photo(40, 30, seed=4)
+    arr = np.array(im)  # writable: torch.from_numpy shares it
+    branches = set()
+    for seed in range(30):
+        want = augment.three_augment(im, random.Random(seed))
+        got = augment.three_augment_tensor(torch.from_numpy(arr), random.Random(seed))
+        np.testing.assert_array_equal(got.numpy(), np.asarray(want), err_msg=str(seed))
+        branches.add(random.Random(seed).randrange(3))
+        want = augment.color_jitter(im, 0.4, random.Random(seed))
+        got = augment.color_jitter_tensor(
+            torch.from_numpy(arr), 0.4, random.Random(seed)
+        )
+        np.testing.assert_array_equal(got.numpy(), np.asarray(want), err_msg=str(seed))
+    assert branches == {0, 1, 2}
