@@ -42,7 +42,7 @@ def _parser():
     p.add_argument("--data", required=True, help="ImageNet-layout root (train split)")
     p.add_argument("--amp", default="O3", help="AMP modes, comma-separated")
     p.add_argument("--modes", default="threads,subprocess,processes")
-    p.add_argument("--recipes", default="pycls,deit", help=",".join(RECIPES))
+    p.add_argument("--recipes", default="pycls,deit", help=",".join([*RECIPES, "cfg"]))
     p.add_argument("--steps", type=int, default=200, help="timed steps per cell")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps first")
     p.add_argument("--graphs-cell", default="", help="RECIPE:MODE with CUDA graphs")
@@ -60,7 +60,7 @@ def _cfg(args, amp, recipe=None, mode=None, graphs=False):
     over["OUT_DIR"] = os.path.join(args.out, "run")
     over["DATA.INDEX_CACHE"] = False
     over["DATA_LOADER.MAX_BAD_FRAC"] = 0.5  # speed is measured here, not data
-    if recipe is not None:
+    if recipe not in (None, "cfg"):  # 'cfg': the --cfg file's own transforms
         source = load_cfg(RECIPES[recipe])
         over |= {k: source[k.split(".")[0]][k.split(".")[1]] for k in RECIPE_KEYS}
     if mode is not None:
