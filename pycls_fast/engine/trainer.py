@@ -329,10 +329,7 @@ def test_model(cfg):
         cfg, loaders=("test",), weights=path, use_ema=cfg.TEST.USE_EMA
     )
     label = checkpoint_epoch_label(parts.loaded, cfg.OPTIM.MAX_EPOCH)
-    if parts.loaded.epoch is None:
-        logger.info("evaluating weights that do not say their epoch (%s)", label)
-    else:
-        logger.info("evaluating the weights of epoch %s", label)
+    logger.info("evaluating %s", parts.loaded.summary(cfg.OPTIM.MAX_EPOCH))
     return test_epoch(parts, parts.model, 0, label=label)
 
 

@@ -31,7 +31,12 @@ def test_test_net_run_and_best(digits, tmp_path):
     result = run_tool("test_net.py", "--run", out, "OPTIM.MAX_EPOCH", "60")
     assert result.returncode == 0, result.stderr
     assert f"loaded model weights of {newest}: " in result.stdout
-    assert "evaluating the weights of epoch 2/60" in result.stdout
+    # Which weights of which file, from where in training, in one line (with
+    # MAX_EPOCH 60 the run's 2 epochs are not all of them).
+    assert (
+        f"evaluating model weights of {newest} (epoch 2/60: the run had not "
+        "finished)" in result.stdout
+    )
     assert "(359 images, epoch 2/60)" in result.stdout
     # The run's own log is untouched; the evaluation's is in OUT_DIR/eval.
     with open(os.path.join(out, "stdout.log")) as f:
@@ -41,12 +46,21 @@ def test_test_net_run_and_best(digits, tmp_path):
 
     with open(os.path.join(out, "checkpoints", "best.json")) as f:
         best = json.load(f)
-    result = run_tool("test_net.py", "--run", out, "--best", "TEST.USE_EMA", "True")
+    result = run_tool("test_net.py", "--run", out, "--best")
     assert result.returncode == 0, result.stderr
     best_file = os.path.join(out, "checkpoints", best["checkpoint"])
-    # No EMA in this run: the model weights, said so.
-    assert f"loaded model weights of {best_file}: " in result.stdout
-    assert f"epoch {best['epoch']}/2)" in result.stdout
+    assert f"evaluating model weights of {best_file} (epoch {best['epoch']}/2" in (
+        result.stdout
+    )
+    # No EMA in this run: its EMA weights are refused, in one line, not replaced by
+    # the model's.
+    result = run_tool("test_net.py", "--run", out, "--best", "TEST.USE_EMA", "True")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"error: checkpoint {best_file} holds no EMA weights (its run kept none: "
+        "OPTIM.EMA_ALPHA 0); take its model weights (TEST.USE_EMA False, export "
+        "without --ema, load_trained without ema=True)"
+    )
 
 
 def test_test_weights_folder(digits, tmp_path):

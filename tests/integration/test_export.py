@@ -175,6 +175,8 @@ def test_model_cards(demo):
     for fmt in ("timm", "onnx"):
         card = (home / f"out/digits/export_{fmt}/README.md").read_text()
         assert evaluation["table"] in card  # test_net's result for this checkpoint
+        assert "| val | 10 | 16 | " in card  # its split, classes and size
+        assert "model weights of " in card and "(epoch 3/3)" in card
         assert f"| parameters | {complexity(cfg)['params'] / 1e6:.3f} M |" in card
         assert "| 1 | pycls_fast |" in card and "| 32 | timm |" in card
         assert "torch " + torch.__version__ in card
@@ -187,13 +189,14 @@ def test_onnx_fixed_batch_and_refusals(demo, tmp_path):
 
     home, _ = demo
     run = str(home / "out/digits")
-    dst = tmp_path / "fixed"
+    # A --dst ending in .onnx is the file; the model card goes beside it.
+    dst = tmp_path / "fixed.onnx"
     result = run_tool("export.py", "--run", run, "--format", "onnx",
                       "--dst", str(dst), "--batch", "4", "--no-throughput")  # fmt: skip
     assert result.returncode == 0, result.stderr
-    session = onnxruntime.InferenceSession(
-        str(dst / "model.onnx"), providers=["CPUExecutionProvider"]
-    )
+    assert sorted(os.listdir(tmp_path)) == ["fixed.md", "fixed.onnx"]
+    assert '"fixed.onnx"' in (tmp_path / "fixed.md").read_text()
+    session = onnxruntime.InferenceSession(str(dst), providers=["CPUExecutionProvider"])
     assert session.get_inputs()[0].shape[0] == 4
     cfg, _ = _our_model(home)
     weights = torch.load(
@@ -210,6 +213,10 @@ def test_onnx_fixed_batch_and_refusals(demo, tmp_path):
     )
     with pytest.raises(onnxruntime.capi.onnxruntime_pybind11_state.InvalidArgument):
         session.run(["logits"], {"images": _images(2).numpy()})
+    result = run_tool("export.py", "--run", run, "--format", "onnx",
+                      "--dst", str(tmp_path / "m.safetensors"))  # fmt: skip
+    assert result.returncode == 2
+    assert "a .safetensors file, but --format onnx" in result.stderr
     # timm's LayerNorm eps is 1e-6: a model trained with another is refused, in one
     # line, before any work.
     eps = str(tmp_path / "eps")
@@ -227,3 +234,42 @@ def test_onnx_fixed_batch_and_refusals(demo, tmp_path):
                           "--dst", str(tmp_path / "no"), *args)  # fmt: skip
         assert result.returncode == 2 and text in result.stderr, result.stderr
     assert not (tmp_path / "no").exists()
+
+
+def test_a_safetensors_dst_is_the_file_with_its_config_and_card_beside(
+    demo, tmp_path, monkeypatch
+):
+    import timm
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    home, _ = demo
+    dst = str(tmp_path / "digits.safetensors")
+    result = run_tool("export.py", "--run", str(home / "out/digits"),
+                      "--format", "safetensors", "--dst", dst,
+                      "--no-throughput")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(tmp_path)) == [
+        "digits.json",
+        "digits.md",
+        "digits.safetensors",
+    ]
+    # The card's loading snippet, run in the folder, builds the same function.
+    card = (tmp_path / "digits.md").read_text()
+    snippet = card.split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(snippet, scope)
+    cfg, _ = _our_model(home)
+    ours = build_model(cfg).eval()
+    last = torch.load(
+        home / "out/digits/checkpoints/model_epoch_0003.pyth", weights_only=True
+    )
+    ours.load_state_dict(last["model_state"])
+    x = _images(2)
+    with torch.no_grad():
+        expected = ours(x).double()
+        got = scope["model"](x).double()
+    assert isinstance(scope["model"], timm.models.VisionTransformer)
+    assert (got - expected).abs().max().item() <= logit_tolerance(
+        cfg, expected.abs().max().item()
+    )

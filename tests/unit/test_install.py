@@ -13,8 +13,12 @@ from packaging.requirements import Requirement
 
 from tests.helpers import ROOT
 
+# The package's requirements, the demo's dataset (scikit-learn), and what the
+# after-training section of GETTING_STARTED runs after `make demo` (the ONNX export
+# and onnxruntime).
 RUNTIME = ["torch", "timm", "spdl", "yacs", "numpy", "pillow", "pyyaml", "psutil",
-           "tqdm", "matplotlib", "submitit", "fsspec", "scikit-learn"]  # fmt: skip
+           "tqdm", "matplotlib", "submitit", "fsspec", "scikit-learn",
+           "onnx", "onnxscript", "onnxruntime"]  # fmt: skip
 
 
 def _norm(name):
