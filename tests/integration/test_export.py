@@ -1,4 +1,4 @@
-"""docs/GETTING_STARTED.md's section 5 run as written (average, evaluate, export to
+"""docs/GETTING_STARTED.md's section 6 run as written (average, evaluate, export to
 safetensors and ONNX, load in timm and onnxruntime) on a run trained here, and what
 the exports must be: timm's model and onnxruntime's graph computing the model's
 logits, at any batch or a fixed one, with a model card."""
@@ -28,11 +28,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 SMALL = ["VIT.NUM_LAYERS", "1", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
          "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "3",
          "OPTIM.WARMUP_EPOCHS", "0", "TRAIN.CHECKPOINT_PERIOD", "1"]  # fmt: skip
-SECTION = "## 5. After training"
+SECTION = "## 6. After training"
 
 
 def _doc_blocks():
-    """The code blocks of GETTING_STARTED's section 5: (shell lines, python code)."""
+    """The code blocks of GETTING_STARTED's section 6: (shell lines, python code)."""
     with open(os.path.join(ROOT, "docs", "GETTING_STARTED.md")) as f:
         text = f.read()
     section = text[text.index(SECTION) :]
@@ -52,7 +52,7 @@ def _tool(cwd, script, *args):
 @pytest.fixture(scope="module")
 def demo(digits, tmp_path_factory):
     """A folder laid out as the repository after `make demo` (data/digits, a trained
-    out/digits), and the outputs of section 5's commands run there as written."""
+    out/digits), and the outputs of section 6's commands run there as written."""
     home = tmp_path_factory.mktemp("home")
     os.makedirs(home / "data")
     os.symlink(digits, home / "data" / "digits")
