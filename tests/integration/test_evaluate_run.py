@@ -4,6 +4,8 @@ naming a folder, the epoch of the weights, and the eval log beside the run's."""
 import json
 import os
 
+import pytest
+
 from pycls_fast.observe.logging import load_json_stats
 from tests.helpers import DIGITS_CFG, run_tool
 
@@ -14,18 +16,21 @@ SMALL = [
 ]  # fmt: skip
 
 
-def _train(digits, out):
+@pytest.fixture(scope="module")
+def run(digits, tmp_path_factory):
+    """One finished 2-epoch run for the module's tests (each only reads it, or
+    evaluates it into its eval/ folder): (OUT_DIR, its stdout.log's text)."""
+    out = str(tmp_path_factory.mktemp("evaluate") / "run")
     result = run_tool(
         "train_net.py", "--cfg", DIGITS_CFG, "DATA.PATH", digits, *SMALL, "OUT_DIR", out
     )
     assert result.returncode == 0, result.stderr
     with open(os.path.join(out, "stdout.log")) as f:
-        return f.read()
+        return out, f.read()
 
 
-def test_test_net_run_and_best(digits, tmp_path):
-    out = str(tmp_path / "run")
-    run_log = _train(digits, out)
+def test_test_net_run_and_best(run):
+    out, run_log = run
     newest = os.path.join(out, "checkpoints", "model_epoch_0002.pyth")
     # The config is the run's; MAX_EPOCH overridden to 60 does not relabel the epoch.
     result = run_tool("test_net.py", "--run", out, "OPTIM.MAX_EPOCH", "60")
@@ -63,9 +68,8 @@ def test_test_net_run_and_best(digits, tmp_path):
     )
 
 
-def test_test_weights_folder(digits, tmp_path):
-    out = str(tmp_path / "run")
-    _train(digits, out)
+def test_test_weights_folder(run, digits, tmp_path):
+    out, _ = run
     newest = os.path.join(out, "checkpoints", "model_epoch_0002.pyth")
     common = ["--cfg", DIGITS_CFG, "DATA.PATH", digits, *SMALL]
     for folder in (out, os.path.join(out, "checkpoints")):
@@ -103,9 +107,8 @@ def test_run_mistakes(tmp_path):
         assert result.stderr.strip() == "error: give --cfg FILE or --run OUT_DIR"
 
 
-def test_info_net_run(digits, tmp_path):
-    out = str(tmp_path / "run")
-    _train(digits, out)
+def test_info_net_run(run):
+    out, _ = run
     result = run_tool("info_net.py", "--run", out, "--json")
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
