@@ -28,6 +28,7 @@ from pycls_fast.launch.cli import (
     config_parser,
     evaluation_out_dir,
     run,
+    without_wandb,
 )
 from pycls_fast.launch.submit import submit_or_launch
 from pycls_fast.storage import is_remote
@@ -45,7 +46,7 @@ def main():
     parser = config_parser(
         "Evaluate TEST.WEIGHTS on DATA.PATH/TEST.SPLIT.", run=True, best=True
     )
-    cfg = evaluation_out_dir(cfg_from_args(parser.parse_args()))
+    cfg = without_wandb(evaluation_out_dir(cfg_from_args(parser.parse_args())))
     check_launch(cfg)  # what to run is refused before what to read
     check_data(cfg, ("test",))  # once, before any rank starts
     for split in cfg.TEST.EXTRA_SPLITS:
@@ -65,7 +66,9 @@ def main():
         f"({record['images']} images, epoch {record['epoch']})",
         flush=True,
     )
-    _report(cfg, [{**record, "split": cfg.TEST.SPLIT, "im_size": cfg.TRAIN.IM_SIZE}])
+    # As evaluate's records: the split, its size, its classes (all the model's).
+    where = {"split": cfg.TEST.SPLIT, "im_size": cfg.TRAIN.IM_SIZE}
+    _report(cfg, [{**record, **where, "classes": cfg.MODEL.NUM_CLASSES}])
 
 
 if __name__ == "__main__":

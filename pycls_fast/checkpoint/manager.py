@@ -50,6 +50,7 @@ from pycls_fast.checkpoint.cadence import (
 from pycls_fast.checkpoint.state import GlobalRng
 from pycls_fast.checkpoint.weights import describe_misfits
 from pycls_fast.errors import CheckpointError, Stopped, UserError
+from pycls_fast.observe.logging import FILE_ONLY
 from pycls_fast.parallel.data_parallel import sharded_checkpoints
 from pycls_fast.runtime import distributed
 from pycls_fast.runtime.preemption import stop_message
@@ -466,7 +467,9 @@ class CheckpointManager:
         if signum:
             path = self.save(*stop_checkpoint(epoch, done, iters), wait=True)
             message = stop_message(signum, epoch, done, path)
-            logger.info(message)
+            # The log file keeps it; the console gets it once, as the tool's last
+            # line (the Stopped error), not also here.
+            logger.info(message, extra={FILE_ONLY: True})
             raise Stopped(message, signum)
         self.poll()
         train = self.cfg.TRAIN

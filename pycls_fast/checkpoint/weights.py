@@ -54,6 +54,29 @@ class LoadedWeights:
             line += f"; {note}"
         return line
 
+    def unfinished(self, max_epoch: int) -> bool:
+        """Whether the weights are of a run that had not finished: taken during an
+        epoch, or after an epoch before the last (`max_epoch`)."""
+        return self.epoch is not None and (self.iteration > 0 or self.epoch < max_epoch)
+
+    def summary(self, max_epoch: int) -> str:
+        """One line: which weights of which file, and where in training they were
+        taken ("epoch E/MAX" after E completed epochs, "during epoch E/MAX" for a
+        mid-epoch checkpoint), saying so when the run had not finished."""
+        which = "EMA weights" if self.ema else "model weights"
+        if self.epoch is None:
+            return f"{which} of {self.path} (they do not say their epoch)"
+        if self.iteration:
+            where = (
+                f"taken during epoch {self.epoch + 1}/{max_epoch}, at iteration "
+                f"{self.iteration}"
+            )
+        else:
+            where = f"epoch {self.epoch}/{max_epoch}"
+        if self.unfinished(max_epoch):
+            where += ": the run had not finished"
+        return f"{which} of {self.path} ({where})"
+
 
 POS = "pos_embedding"
 
@@ -151,6 +174,15 @@ def _pycls_choice(checkpoint: dict) -> tuple[str, str]:
     return "model_state", ""
 
 
+def no_ema(path: str) -> str:
+    """The refusal of EMA weights that a checkpoint does not hold."""
+    return (
+        f"checkpoint {path} holds no EMA weights (its run kept none: OPTIM.EMA_ALPHA "
+        "0); take its model weights (TEST.USE_EMA False, export without --ema, "
+        "load_trained without ema=True)"
+    )
+
+
 def _read(path: str, use_ema: bool):
     """(state, whether it is the EMA's, meta dict, why) of a checkpoint; `state`
     maps names to full tensors that are read when taken (a sharded checkpoint's
@@ -159,11 +191,15 @@ def _read(path: str, use_ema: bool):
         # The checkpoint's index is read once, not once per tensor.
         model = CheckpointTensors(path)
         ema = CheckpointTensors(path, "ema", model.reader) if use_ema else {}
+        if use_ema and not ema:
+            raise CheckpointError(no_ema(path))
         return ema or model, bool(ema), model.meta(), ""
     checkpoint = load_checkpoint(path, mmap=True)
     meta = checkpoint if isinstance(checkpoint, dict) else {}
-    if use_ema and "ema_state" in checkpoint:
+    if use_ema and "ema_state" in meta:
         return checkpoint["ema_state"], True, meta, ""
+    if use_ema:
+        raise CheckpointError(no_ema(path))
     if is_pycls_checkpoint(checkpoint):
         key, why = _pycls_choice(checkpoint)
         chosen = {"model_state": checkpoint[key]}

@@ -117,6 +117,8 @@ def evaluate(cfg: CfgNode, path: str) -> list[dict]:
             cfg_s, loaders=(), weights=path, use_ema=cfg.TEST.USE_EMA
         )
         label = checkpoint_epoch_label(parts.loaded, cfg.OPTIM.MAX_EPOCH)
+        if not records:
+            logger.info("evaluating %s", parts.loaded.summary(cfg.OPTIM.MAX_EPOCH))
         for split, classes in zip(splits, subsets, strict=True):
             cfg_x = with_overrides(cfg_s, {"TEST.SPLIT": split})
             subset = classes.columns is not None

@@ -11,6 +11,7 @@ timm's benchmark.py CSV names (`model`, `infer_samples_per_sec`, `infer_step_tim
 ours, the ratio to timm's.
 """
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -119,9 +120,13 @@ def measure_inference(
     rounds: int = 5,
     iters: int = 3,
     warmup: int = 2,
+    min_turn_s: float = 0.05,
 ) -> list[dict]:
     """One row per (batch size, model): the median over `rounds` interleaved turns
-    of `iters` forwards each, after `warmup` untimed forwards (and compilation)."""
+    of at least `iters` forwards each, and as many more as fill `min_turn_s` (a
+    batch-1 forward of a small model takes milliseconds: a turn of 3 would time
+    the scheduler's slices as much as the model), after `warmup` untimed forwards
+    (and compilation)."""
     mode, half = resolve_amp(cfg)
     rows = []
     for requested in batch_sizes:
@@ -136,10 +141,12 @@ def measure_inference(
         size = fitting_batch(try_batch, requested)
         x = _inputs(cfg, size, device)
         fns = {name: _forward(m, x, cfg, device) for name, m in models.items()}
+        once = min(_seconds(fn, device, 1) for fn in fns.values())
+        turn = max(iters, math.ceil(min_turn_s / max(once, 1e-9)))
         times = {name: [] for name in models}
         for _ in range(rounds):
             for name, fn in fns.items():
-                times[name].append(_seconds(fn, device, iters))
+                times[name].append(_seconds(fn, device, turn))
         medians = {name: statistics.median(t) for name, t in times.items()}
         for name, seconds in medians.items():
             rows.append(

@@ -183,8 +183,9 @@ def describe_run(cfg: CfgNode, parts) -> None:
         cfg.OPTIM.MAX_EPOCH,
         cfg.OPTIM.BASE_LR,
     )
-    for warning in schedule_warnings(cfg):
-        logger.warning("warning: %s", warning)
+    if distributed.is_main():  # once per job, not once per rank
+        for warning in schedule_warnings(cfg):
+            logger.warning("warning: %s", warning)
 
 
 def resume(

@@ -12,6 +12,7 @@ side to TEST.IM_SIZE, center-crop TRAIN.IM_SIZE, normalize by DATA.MEAN / DATA.S
 in DATA.CHANNEL_ORDER.
 """
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,8 @@ from pycls_fast.datasets.to_device.transform import DeviceBatchTransform
 from pycls_fast.engine.lifecycle import resolve_channel_order
 from pycls_fast.errors import ConfigError, UserError
 from pycls_fast.models import build_model
+
+logger = logging.getLogger(__name__)
 
 
 class _Decoded:
@@ -122,15 +125,42 @@ def load_trained(
 ) -> TrainedModel:
     """Loads trained weights in one call: `path` is a run folder (its newest
     complete checkpoint), its checkpoints folder, a checkpoint file or a sharded
-    checkpoint directory. `ema`: the EMA weights when the checkpoint has them;
-    `device`: where the model goes (fp32, eval mode); `cfg`: the config to build
-    (default: the one the weights were trained with, `opts` overriding its keys)."""
+    checkpoint directory. `ema`: the EMA weights (CheckpointError when the
+    checkpoint has none); `device`: where the model goes (fp32, eval mode;
+    UserError for a device this machine lacks); `cfg`: the config to build
+    (default: the one the weights were trained with, `opts` overriding its keys).
+    Logs which weights of which checkpoint it loaded, from where in training (a
+    warning for a run that had not finished)."""
     checkpoint, _ = resolve_weights(path)
+    device = check_device(device)
     if cfg is None:
         cfg = _config_of(checkpoint, path, list(opts))
     cfg = resolve_channel_order(cfg, checkpoint)
     model = build_model(cfg)
     loaded = load_model_weights(model, checkpoint, use_ema=ema)
-    device = torch.device(device)
+    # Said in one line; a warning (shown without any logging set up) when the
+    # weights are of a run that had not finished.
+    unfinished = loaded.unfinished(cfg.OPTIM.MAX_EPOCH)
+    level = logging.WARNING if unfinished else logging.INFO
+    logger.log(level, "load_trained: %s", loaded.summary(cfg.OPTIM.MAX_EPOCH))
     model.to(device).eval()
     return TrainedModel(model, cfg, device, loaded, _class_names(cfg))
+
+
+def check_device(device: "str | torch.device") -> torch.device:
+    """`device` as a torch.device; UserError, in one line, for one this machine
+    does not have (a CUDA device without a GPU, or beyond the GPUs visible)."""
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise UserError(f"device {device!r}: {e}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        index = device.index or 0
+        if count == 0:
+            raise UserError(f"device {str(device)!r}: no CUDA GPU is visible here")
+        if index >= count:
+            raise UserError(
+                f"device {str(device)!r}: only {count} CUDA GPU(s) are visible"
+            )
+    return device

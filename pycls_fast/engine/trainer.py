@@ -180,34 +180,36 @@ def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
     bar = _progress(iters - start_iter, distributed.is_main())
     skipped_before = parts.scaler.skipped_steps
     lr = lr_at(cfg, epoch + start_iter / max(iters, 1))
-    for it, (inputs, targets) in enumerate(batches, start=start_iter):
-        lr = lr_at(cfg, epoch + it / iters)
-        set_lr(parts.optimizer, lr)
-        if len(targets):
-            loss, logits, _ = train_step(parts, inputs, targets)
-            if not spike_skipped(parts, epoch, it):
-                hard = targets.argmax(dim=1) if targets.ndim == 2 else targets
-                top1, top5 = topk_errors(logits.float(), hard)
-                n = len(hard) if parts.reports_metrics else 0
-                meter.add(loss.detach(), top1, top5, n, step=it)
-        else:
-            step_without_images(parts)
-        if parts.ema is not None and (it + 1) % cfg.OPTIM.EMA_UPDATE_PERIOD == 0:
-            # O2 without FSDP: the EMA follows the fp32 masters, not bf16 roundings.
-            masters = parts.master.fp32_state(parts.model) if parts.master else None
-            update_ema(parts.model, parts.ema, ema_alpha(cfg, epoch), masters)
-        if bar is not None:
-            bar.update(1)
-        if (it + 1) % cfg.LOG_PERIOD == 0:
-            check_finite(parts, meter, epoch)
-            skipped = parts.scaler.skipped_steps - skipped_before
-            record = _log_train_iter(parts, meter, epoch, it, iters, lr, skipped)
+    try:
+        for it, (inputs, targets) in enumerate(batches, start=start_iter):
+            lr = lr_at(cfg, epoch + it / iters)
+            set_lr(parts.optimizer, lr)
+            if len(targets):
+                loss, logits, _ = train_step(parts, inputs, targets)
+                if not spike_skipped(parts, epoch, it):
+                    hard = targets.argmax(dim=1) if targets.ndim == 2 else targets
+                    top1, top5 = topk_errors(logits.float(), hard)
+                    n = len(hard) if parts.reports_metrics else 0
+                    meter.add(loss.detach(), top1, top5, n, step=it)
+            else:
+                step_without_images(parts)
+            if parts.ema is not None and (it + 1) % cfg.OPTIM.EMA_UPDATE_PERIOD == 0:
+                # O2 without FSDP: the EMA follows the fp32 masters, not bf16 roundings.
+                masters = parts.master.fp32_state(parts.model) if parts.master else None
+                update_ema(parts.model, parts.ema, ema_alpha(cfg, epoch), masters)
             if bar is not None:
-                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}")
-        if on_iter_end is not None:
-            on_iter_end(epoch, it + 1, iters)
-    if bar is not None:
-        bar.close()
+                bar.update(1)
+            if (it + 1) % cfg.LOG_PERIOD == 0:
+                check_finite(parts, meter, epoch)
+                skipped = parts.scaler.skipped_steps - skipped_before
+                record = _log_train_iter(parts, meter, epoch, it, iters, lr, skipped)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}")
+            if on_iter_end is not None:
+                on_iter_end(epoch, it + 1, iters)
+    finally:  # also when a stop or an error leaves the loop
+        if bar is not None:
+            bar.close()
     check_finite(parts, meter, epoch)
     skipped = parts.scaler.skipped_steps - skipped_before
     return _log_train_epoch(parts, meter, epoch, iters, lr, skipped)
@@ -329,10 +331,7 @@ def test_model(cfg):
         cfg, loaders=("test",), weights=path, use_ema=cfg.TEST.USE_EMA
     )
     label = checkpoint_epoch_label(parts.loaded, cfg.OPTIM.MAX_EPOCH)
-    if parts.loaded.epoch is None:
-        logger.info("evaluating weights that do not say their epoch (%s)", label)
-    else:
-        logger.info("evaluating the weights of epoch %s", label)
+    logger.info("evaluating %s", parts.loaded.summary(cfg.OPTIM.MAX_EPOCH))
     return test_epoch(parts, parts.model, 0, label=label)
 
 

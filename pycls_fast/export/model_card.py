@@ -17,6 +17,21 @@ README = "README.md"
 
 
 def _loading(fmt: str, files: dict) -> list[str]:
+    if fmt == "safetensors" and files["config"] != "config.json":  # named files
+        return [
+            "```python",
+            "import json",
+            "import timm",
+            f'config = json.load(open("{files["config"]}"))',
+            "model = timm.create_model(",
+            '    config["architecture"],',
+            "    pretrained=True,",
+            f'    pretrained_cfg_overlay=dict(file="{files["weights"]}", '
+            'num_classes=config["num_classes"]),',
+            '    **config["model_args"],',
+            ")",
+            "```",
+        ]
     if fmt == "safetensors":
         return [
             "```python",
@@ -46,7 +61,8 @@ def model_card(
     throughput: list[dict] | None,
     check: dict | None,
 ) -> str:
-    """The README text. `source`: {checkpoint, epoch, ema}; `files`: what was
+    """The README text. `source`: {checkpoint, epoch, ema, summary: which weights
+    of which file, from where in training}; `files`: what was
     written; `evaluation`: test_net's report; `throughput`: inference rows;
     `check`: how the export was validated ({what, max_abs_diff, tolerance})."""
     cx = complexity(cfg)
@@ -54,8 +70,7 @@ def model_card(
     lines = [
         f"# {cfg.DESC or 'ViT'} ({fmt})",
         "",
-        f"Exported by pycls_fast's tools/export.py from `{source['checkpoint']}` "
-        f"(epoch {source['epoch']}, {'EMA' if source['ema'] else 'model'} weights).",
+        f"Exported by pycls_fast's tools/export.py: {source['summary']}.",
         "",
         "## Files",
         "",
@@ -124,9 +139,10 @@ def model_card(
     return "\n".join(lines)
 
 
-def write_model_card(dst: str, text: str) -> str:
-    """Writes DST/README.md; returns its path."""
-    path = os.path.join(dst, README)
+def write_model_card(dst: str, text: str, stem: str | None = None) -> str:
+    """Writes DST/README.md (DST/<stem>.md beside an export's named files); returns
+    its path."""
+    path = os.path.join(dst, README if stem is None else f"{stem}.md")
     with open(path, "w") as f:
         f.write(text)
     return path

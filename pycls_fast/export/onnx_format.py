@@ -6,6 +6,7 @@ does: resize, center crop, ImageNet mean and std) and returns `logits` (float32,
 N x classes). The batch dimension is symbolic (any N), or fixed with `batch`.
 """
 
+import importlib.util
 import math
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from pycls_fast.errors import PyclsFastError
+from pycls_fast.errors import PyclsFastError, UserError
 from pycls_fast.models.vit import ViTParams
 
 INPUT, OUTPUT = "images", "logits"
@@ -22,6 +23,21 @@ MAX_SINGLE_FILE_BYTES = 1_800_000_000
 
 class ExportCheckError(PyclsFastError):
     """The exported model computes other logits than the model (exit status 1)."""
+
+
+# What --format onnx imports: torch's exporter (onnx, onnxscript) and the check.
+PACKAGES = ("onnx", "onnxscript", "onnxruntime")
+
+
+def check_onnx_packages() -> None:
+    """UserError naming the missing packages and the one command that installs them
+    (`make`'s environment has them: requirements-runtime.lock)."""
+    missing = [p for p in PACKAGES if importlib.util.find_spec(p) is None]
+    if missing:
+        raise UserError(
+            f"--format onnx needs {', '.join(missing)}: pip install "
+            f"{' '.join(PACKAGES)} (or pip install -e '.[export]')"
+        )
 
 
 def export_onnx(model: nn.Module, cfg: CfgNode, path: str, batch: int | None) -> None:

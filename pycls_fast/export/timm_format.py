@@ -18,6 +18,8 @@ bilinear, center crop, ImageNet mean and std).
 
 import json
 import os
+import shutil
+import tempfile
 
 import torch
 from torch import nn
@@ -103,23 +105,27 @@ def build_timm_model(state: dict, cfg: CfgNode) -> nn.Module:
     return model.eval()
 
 
-def export_timm(model: nn.Module, cfg: CfgNode, dst: str) -> dict:
-    """Writes DST/model.safetensors and DST/config.json for our `model`; returns
-    the config written."""
+def export_timm(
+    model: nn.Module, cfg: CfgNode, dst: str, stem: str | None = None
+) -> dict:
+    """Writes DST/model.safetensors and DST/config.json for our `model` (with `stem`:
+    DST/<stem>.safetensors and DST/<stem>.json); returns the config written."""
     from timm.models import save_for_hf
 
     arch, args = timm_model_args(cfg)
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     timm_model = build_timm_model(state, cfg)
     os.makedirs(dst, exist_ok=True)
+    # save_for_hf writes a folder's two files; named ones are moved out of it.
+    folder = dst if stem is None else tempfile.mkdtemp(dir=dst, prefix=".export")
     save_for_hf(
         timm_model,
-        dst,
+        folder,
         model_args=args,
         safe_serialization=True,
         data_config=data_config(cfg),
     )
-    path = os.path.join(dst, CONFIG_FILE)
+    path = os.path.join(folder, CONFIG_FILE)
     with open(path) as f:
         config = json.load(f)
     # What save_for_hf copied from the architecture's own pretrained weights (their
@@ -129,14 +135,44 @@ def export_timm(model: nn.Module, cfg: CfgNode, dst: str) -> dict:
     pretrained["tag"] = "pycls_fast"
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
+    if stem is not None:
+        weights, named = export_files(stem)
+        os.replace(os.path.join(folder, WEIGHTS_FILE), os.path.join(dst, weights))
+        os.replace(path, os.path.join(dst, named))
+        shutil.rmtree(folder)
     return config
 
 
-def load_timm(dst: str) -> nn.Module:
-    """timm's model from an export folder, offline (timm's `local-dir:` source)."""
+def export_files(stem: str | None) -> tuple[str, str]:
+    """(weights file, config file) names of an export: a folder's model.safetensors
+    and config.json, or <stem>.safetensors and <stem>.json."""
+    if stem is None:
+        return WEIGHTS_FILE, CONFIG_FILE
+    return f"{stem}.safetensors", f"{stem}.json"
+
+
+def load_timm(dst: str, stem: str | None = None) -> nn.Module:
+    """timm's model from an export, offline: a folder through timm's `local-dir:`
+    source; named files (`stem`) through their config's architecture and model
+    arguments, the weights file given as `pretrained_cfg_overlay`'s file."""
     import timm
 
-    model = timm.create_model(f"local-dir:{os.path.abspath(dst)}", pretrained=True)
+    if stem is None:
+        model = timm.create_model(f"local-dir:{os.path.abspath(dst)}", pretrained=True)
+        return model.eval()
+    weights, named = export_files(stem)
+    with open(os.path.join(dst, named)) as f:
+        config = json.load(f)
+    overlay = {
+        "file": os.path.abspath(os.path.join(dst, weights)),
+        "num_classes": config["num_classes"],
+    }
+    model = timm.create_model(
+        config["architecture"],
+        pretrained=True,
+        pretrained_cfg_overlay=overlay,
+        **config["model_args"],
+    )
     return model.eval()
 
 

@@ -198,6 +198,18 @@ def evaluation_out_dir(cfg):
     return with_overrides(cfg, {"OUT_DIR": out})
 
 
+def without_wandb(cfg):
+    """An evaluation's `cfg`: LOG_WANDB off, said on stdout. W&B is the training
+    run's dashboard; an evaluation keeps its records in its own OUT_DIR (stdout.log,
+    the JSON report) and must not need W&B credentials (a colleague's machine, a
+    cluster node), nor ask for a login."""
+    if not cfg.LOG_WANDB:
+        return cfg
+    log = os.path.join(cfg.OUT_DIR, "stdout.log")
+    print(f"LOG_WANDB: W&B skipped for this evaluation; its records are in {log}")
+    return with_overrides(cfg, {"LOG_WANDB": False})
+
+
 def run(main: Callable[[], int | None]) -> None:
     """Runs `main()` and ends the process: 0, or the failure's one line on stderr
     and its exit status (errors.exit_code maps it by type)."""

@@ -14,6 +14,9 @@ import sys
 
 from pycls_fast.observe.console import STATS_ATTR, ConsoleFormatter
 
+# A record logged with extra={FILE_ONLY: True} goes to OUT_DIR/stdout.log but not to
+# the console: a line that the tool prints itself on exit (a stop's), not twice.
+FILE_ONLY = "file_only"
 _FORMAT = "[%(asctime)s][%(filename)s:%(lineno)d] %(message)s"
 _CONSOLE_FORMAT = "[%(asctime)s] %(message)s"
 _DATE = "%m/%d %H:%M:%S"
@@ -40,6 +43,7 @@ def setup_logging(out_dir, log_dest="stdout", is_main=True):
             if on_terminal
             else formatter
         )
+        console.addFilter(lambda record: not getattr(record, FILE_ONLY, False))
         root.addHandler(console)
     if is_main:
         os.makedirs(out_dir, exist_ok=True)

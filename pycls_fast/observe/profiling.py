@@ -35,19 +35,22 @@ class StepProfiler:
         self.memory = cfg.PROF.MEMORY and self.cuda
         self.folder = os.path.join(cfg.OUT_DIR, PROFILE_DIR)
         self.rank = rank
-        self.count = 0
+        self.count = 0  # steps done
         self._prof = None
         self.files = []
+        if self.enabled and self.start == 0:
+            self._begin()  # from the first step on
 
     def step(self) -> None:
-        """Call after each training step."""
+        """Call after each training step: the profiler starts after step PROF.START
+        and stops after step PROF.START + PROF.STEPS."""
         if not self.enabled:
             return
-        if self.count == self.start and self._prof is None and not self.files:
-            self._begin()
         self.count += 1
         if self._prof is not None and self.count == self.start + self.steps:
             self._finish()
+        elif self.count == self.start and self._prof is None and not self.files:
+            self._begin()
 
     def close(self) -> None:
         """Writes what was profiled when the run ends before the last profiled step."""

@@ -7,8 +7,9 @@ logs (their `json_stats` values, rounded as the log line rounds them), so every 
 reaches every sink once, from one place:
 
 - OUT_DIR/epoch_stats.csv: one row per (record type, epoch) of the epoch records
-  (train_epoch, test_epoch, test_ema_epoch), columns in a fixed order; a resumed run
-  that logs an epoch again replaces its row instead of adding a second one.
+  (train_epoch, test_epoch, test_ema_epoch), columns in a fixed order, the epoch a
+  number (the record's "3/10" is `epoch` 3, `max_epoch` 10); a resumed run that
+  logs an epoch again replaces its row instead of adding a second one.
   Train rows carry the throughput (tflops, mfu, ...), memory, gradient norm and
   goodput columns too (empty in test rows).
 - OUT_DIR/tb_log/ (pycls's vitconfigs folder name), with `LOG_TENSORBOARD True`:
@@ -31,8 +32,9 @@ CSV_FILE = "epoch_stats.csv"
 TB_DIR = "tb_log"
 EPOCH_TYPES = ("train_epoch", "test_epoch", "test_ema_epoch")
 CSV_COLUMNS = [
-    "_type", "epoch", "loss", "top1_err", "top5_err", "lr", "img_per_s", "images",
-    "data_wait_frac", "bad_images", "skipped_steps", "loss_scale", "time_epoch_s",
+    "_type", "epoch", "max_epoch", "loss", "top1_err", "top5_err", "lr", "img_per_s",
+    "images", "data_wait_frac", "bad_images", "skipped_steps", "loss_scale",
+    "time_epoch_s",
     "mem_mb", "tflops", "hw_tflops", "mfu", "hfu", "grad_norm", "mem_reserved_mb",
     "alloc_retries", "oom_count", "host_rss_mb", "goodput", "wall_s",
     "wall_step_s", "wall_data_s", "wall_eval_s", "wall_checkpoint_s",
@@ -49,14 +51,14 @@ class CsvEpochStats(StatsHandler):
         self.rows: list[dict] = []
         if os.path.exists(self.path):
             with open(self.path, newline="") as f:
-                self.rows = list(csv.DictReader(f))
+                self.rows = [_numeric_epoch(r) for r in csv.DictReader(f)]
 
     def take(self, stats: dict) -> None:
         if stats.get("_type") not in EPOCH_TYPES:
             return
-        row = {c: stats.get(c, "") for c in CSV_COLUMNS}
+        row = _numeric_epoch({c: stats.get(c, "") for c in CSV_COLUMNS})
         key = (str(row["_type"]), str(row["epoch"]))
-        kept = [r for r in self.rows if (r["_type"], r["epoch"]) != key]
+        kept = [r for r in self.rows if (r["_type"], str(r["epoch"])) != key]
         self.rows = kept + [row]
         tmp = self.path + ".tmp"
         with open(tmp, "w", newline="") as f:
@@ -64,6 +66,15 @@ class CsvEpochStats(StatsHandler):
             writer.writeheader()
             writer.writerows(self.rows)
         os.replace(tmp, self.path)
+
+
+def _numeric_epoch(row: dict) -> dict:
+    """`row` with a record's "E/MAX" epoch as `epoch` E and `max_epoch` MAX (rows of
+    a file written before the column existed too); other values as they are."""
+    found = fraction(row.get("epoch"))
+    if found is not None:
+        row = {**row, "epoch": found[0], "max_epoch": found[1]}
+    return row
 
 
 class TensorBoardStats(StatsHandler):

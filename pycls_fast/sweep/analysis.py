@@ -11,6 +11,7 @@ left out of the figures (the analysis page's table lists every run).
 
 import math
 import os
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -109,14 +110,21 @@ def plot_error_vs(
         ax.set_xlabel(xlabel)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
+    legend = "numbers: run; red star: best run; dashed: best error at each value"
     fig.suptitle(
-        f"{title}: {len(done)} runs with a test error (numbers: run; red star: "
-        "best run; dashed: best error at each value)"
+        fit_width(f"{title}: {len(done)} runs with a test error ({legend})", fig)
     )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def fit_width(text: str, fig, fontsize: float = 14.4) -> str:
+    """`text` wrapped into lines that fit the figure's width (a suptitle wider than
+    its figure is cut off at both sides): about 0.6 em per character."""
+    chars = int(fig.get_figwidth() * 72 / (0.6 * fontsize))
+    return textwrap.fill(text, max(chars, 20))
 
 
 def complexity_panels() -> list[tuple[str, Any, bool]]:

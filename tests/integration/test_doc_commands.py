@@ -1,6 +1,13 @@
 """Every shell command shown in README.md and docs/*.md is executed, as written or
 at a stated reduced size: configs and docs cannot drift apart.
 
+One convention for every doc: commands run from the repository root in the
+environment `make` builds, so they paste into a fresh shell (`.venv/bin/python
+tools/...`, `.venv/bin/torchrun ...`, `make ...`); bare `python` / `torchrun` /
+`pip` only where a doc installs into an environment of the reader's own. The "run"
+commands are run that way: through bash, from the repository root, in an
+environment holding only PATH and HOME.
+
 A command is a line of a fenced block without a language (or bash / sh) that starts
 with a command word (`python`, `.venv/bin/python`, `torchrun`, `make`, ...; `$ ` is
 a shell prompt, `\\` continues a line). Lines of output in the same blocks are not
@@ -28,7 +35,6 @@ import pathlib
 import re
 import shlex
 import subprocess
-import sys
 
 import pytest
 
@@ -41,6 +47,8 @@ DOCS = ["README.md", *sorted(p.name for p in (ROOT / "docs").glob("*.md"))]
 COMMAND_WORDS = (
     "python",
     ".venv/bin/python",
+    ".venv/bin/torchrun",
+    ".venv/bin/pip",
     "torchrun",
     "make",
     "pip",
@@ -59,25 +67,30 @@ REDUCTIONS = [
      "needs the user's timm checkpoint file (no downloads); test_tools converts one"),
     ("README.md", "make bench-attention", "skip",
      "a benchmark of minutes; benchmarks/attention.py has its own test"),
-    ("DATA.md", "python tools/prepare_imagenet.py", "skip",
+    ("DATA.md", ".venv/bin/python tools/prepare_imagenet.py", "skip",
      "needs the ImageNet archives; test_prepare_imagenet runs it on small ones"),
-    ("DATA.md", "python tools/train_net.py", "config", "ImageNet on a GPU node"),
-    ("DATA.md", "python tools/pack_dataset.py", "skip",
+    ("DATA.md", ".venv/bin/python tools/train_net.py", "config",
+     "ImageNet on a GPU node"),
+    ("DATA.md", ".venv/bin/python tools/pack_dataset.py", "skip",
      "needs ImageNet; test_bench_data packs a small split"),
-    ("DATA.md", "pip install s3fs", "skip", "installs a package"),
-    ("DISTRIBUTED.md", "python tools/train_net.py", "config", "GPU nodes"),
-    ("DISTRIBUTED.md", "torchrun --standalone --nproc_per_node 8", "config",
+    ("DATA.md", ".venv/bin/pip install s3fs", "skip", "installs a package"),
+    ("DISTRIBUTED.md", ".venv/bin/python tools/train_net.py", "config", "GPU nodes"),
+    ("DISTRIBUTED.md", ".venv/bin/torchrun --standalone --nproc_per_node 8", "config",
      "8 GPUs"),
-    ("DISTRIBUTED.md", "torchrun --nnodes 4", "config", "4 nodes of 8 GPUs"),
+    ("DISTRIBUTED.md", ".venv/bin/torchrun --nnodes 4", "config", "4 nodes of 8 GPUs"),
     ("DISTRIBUTED.md", "MAIN_NODE=", "skip", "sets a variable inside an sbatch job"),
-    ("DISTRIBUTED.md", "srun torchrun", "config", "an sbatch job of 4 nodes"),
-    ("DISTRIBUTED.md", "python tools/plan_net.py", "run", "the planner, no GPU"),
+    ("DISTRIBUTED.md", "srun .venv/bin/torchrun", "config",
+     "an sbatch job of 4 nodes"),
+    ("DISTRIBUTED.md", ".venv/bin/python tools/plan_net.py", "run",
+     "the planner, no GPU"),
     ("DISTRIBUTED.md",
-     "python tools/plan_net.py --cfg configs/vit/ViT-22B-14.yaml --dry-run", "tiny",
+     ".venv/bin/python tools/plan_net.py --cfg configs/vit/ViT-22B-14.yaml --dry-run",
+     "tiny",
      "minutes at 22B: the same ranks and layout with a tiny ViT"),
-    ("DISTRIBUTED.md", "python tools/consolidate_checkpoint.py", "skip",
+    ("DISTRIBUTED.md", ".venv/bin/python tools/consolidate_checkpoint.py", "skip",
      "needs a training run's checkpoint; test_checkpoint_files consolidates one"),
-    ("DISTRIBUTED.md", "torchrun --standalone --nproc_per_node 2 tools/time_net.py",
+    ("DISTRIBUTED.md",
+     ".venv/bin/torchrun --standalone --nproc_per_node 2 tools/time_net.py",
      "skip", "a timing run of minutes; test_bench_ladder_dist runs its ladder"),
     ("GETTING_STARTED.md", "git clone", "skip", "clones this repository"),
     ("GETTING_STARTED.md", "make test", "skip", "runs this suite"),
@@ -102,22 +115,30 @@ REDUCTIONS = [
     ("GETTING_STARTED.md", ".venv/bin/python tools/export.py", "skip",
      "needs the demo's averaged weights; test_export exports tiny weights"),
     ("GETTING_STARTED.md", ".venv/bin/python -c", "skip",
-     "reads the W&B run of section 6; test_getting_started_wandb runs it"),
+     "reads the W&B run of section 7; test_getting_started_wandb runs it"),
     ("PERFORMANCE.md", "make bench-gpu", "skip",
      "needs a GPU node; test_gpu_node runs benchmarks/gpu_node.sh with a tiny config"),
-    ("PERFORMANCE.md", "python tools/train_net.py", "config", "a profile on a GPU"),
-    ("PERFORMANCE.md", "python -m benchmarks.fp8", "skip",
+    ("PERFORMANCE.md", ".venv/bin/python tools/train_net.py", "config",
+     "a profile on a GPU"),
+    ("PERFORMANCE.md", ".venv/bin/python -m benchmarks.fp8", "skip",
      "needs a GPU with float8 matmuls; test_bench_fp8 runs it emulated, tiny"),
     ("PERFORMANCE.md", "make gpu-wheels", "skip",
-     "downloads a wheel from the registry into build/wheels"),
-    ("RECIPES.md", "python tools/train_net.py", "config", "ImageNet on GPUs"),
+     "downloads wheels from the registry into build/wheels"),
+    ("RECIPES.md", ".venv/bin/python tools/train_net.py", "config", "ImageNet on GPUs"),
     ("RECIPES.md", "make distill-demo", "skip", "minutes; test_distill_demo"),
-    ("RECIPES.md", "python tools/test_net.py --run", "skip",
+    ("RECIPES.md", ".venv/bin/python tools/test_net.py --run", "skip",
      "evaluates a training run's folder on ImageNet; test_evaluate_multi"),
-    ("SWEEPS.md", "python tools/prepare_digits.py", "skip", "test_sweep's data"),
+    ("SWEEPS.md", ".venv/bin/python tools/prepare_digits.py", "skip",
+     "test_sweep's data"),
     ("SWEEPS.md", "SWEEP=", "skip", "sets a variable"),
-    ("SWEEPS.md", "python tools/sweep_", "skip", "test_sweep runs the sweep"),
+    ("SWEEPS.md", ".venv/bin/python tools/sweep_", "skip", "test_sweep runs the sweep"),
 ]  # fmt: skip
+
+# Commands in another environment than make's .venv: the reader's own (installing
+# the package into it).
+OWN_ENVIRONMENT = [("GETTING_STARTED.md", "pip install -e")]
+ENVIRONMENT_WORDS = (".venv/bin/", "make ", "git ", "srun .venv/bin/", "SWEEP=",
+                     "MAIN_NODE=")  # fmt: skip
 
 # Commands that fail today because of a defect being fixed elsewhere (strict xfail:
 # the fix makes them pass, and then their entry must go). Issue 27's defect 2 (the
@@ -164,6 +185,33 @@ def test_every_command_has_a_reduction():
     assert not stale, f"REDUCTIONS rows that match no command: {stale}"
 
 
+def test_commands_run_in_the_environment_make_builds():
+    """No bare `python`, `torchrun` or `pip`: they fail in a fresh shell, where only
+    .venv/bin/ holds the package."""
+    bare = [
+        f"{d}:{n}: {c}"
+        for d, n, c, _ in COMMANDS
+        if not c.startswith(ENVIRONMENT_WORDS)
+        and not any(d == doc and c.startswith(s) for doc, s in OWN_ENVIRONMENT)
+    ]
+    assert not bare, "write .venv/bin/python (or torchrun, pip):\n" + "\n".join(bare)
+
+
+def _fresh_shell():
+    """(argv prefix, environment) of a user's fresh shell in the repository root:
+    bash, PATH and HOME only. Where ROOT/.venv imports another checkout's package
+    (a git worktree sharing one .venv), this checkout goes first on PYTHONPATH."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(ROOT)}
+    venv = ROOT / ".venv" / "bin" / "python"
+    where = subprocess.run(
+        [str(venv), "-c", "import pycls_fast; print(pycls_fast.__file__)"],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    if not where.startswith(str(ROOT / "pycls_fast")):
+        env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
 def _params():
     out = []
     for doc, line, cmd, shown in COMMANDS:
@@ -187,7 +235,7 @@ def _tool_argv(cmd):
     argv = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), ""), cmd))
     argv = argv[1:] if argv[0] == "srun" else argv
     world = None
-    if argv[0] == "torchrun":
+    if argv[0].endswith("torchrun"):
         opts = {}
         i = 1
         while not argv[i].endswith(".py"):
@@ -229,14 +277,13 @@ def test_documented_command(doc, cmd, how, shown, tmp_path):
         except UserError as e:
             pytest.fail(f"{doc}: {cmd}\n  -> {e}")
         return
-    argv = shlex.split(cmd.split(" | ")[0])  # not the program piped into
-    argv[0] = sys.executable if argv[0].endswith("python") else argv[0]
+    line = cmd.split(" | ")[0]  # not the program piped into
     if how == "tiny":
-        argv += [*TINY, "VIT.NUM_LAYERS", "4"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        line += " " + shlex.join([*TINY, "VIT.NUM_LAYERS", "4"])
     out = subprocess.run(
-        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+        ["bash", "-c", line], cwd=ROOT, env=_fresh_shell(), capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
     error = next((s for s in shown if s.startswith("error:")), None)
     if error:
         assert out.returncode == 2 and error in out.stderr, out.stderr[-1000:]

@@ -4,6 +4,8 @@ naming a folder, the epoch of the weights, and the eval log beside the run's."""
 import json
 import os
 
+import pytest
+
 from pycls_fast.observe.logging import load_json_stats
 from tests.helpers import DIGITS_CFG, run_tool
 
@@ -14,24 +16,32 @@ SMALL = [
 ]  # fmt: skip
 
 
-def _train(digits, out):
+@pytest.fixture(scope="module")
+def run(digits, tmp_path_factory):
+    """One finished 2-epoch run for the module's tests (each only reads it, or
+    evaluates it into its eval/ folder): (OUT_DIR, its stdout.log's text)."""
+    out = str(tmp_path_factory.mktemp("evaluate") / "run")
     result = run_tool(
         "train_net.py", "--cfg", DIGITS_CFG, "DATA.PATH", digits, *SMALL, "OUT_DIR", out
     )
     assert result.returncode == 0, result.stderr
     with open(os.path.join(out, "stdout.log")) as f:
-        return f.read()
+        return out, f.read()
 
 
-def test_test_net_run_and_best(digits, tmp_path):
-    out = str(tmp_path / "run")
-    run_log = _train(digits, out)
+def test_test_net_run_and_best(run):
+    out, run_log = run
     newest = os.path.join(out, "checkpoints", "model_epoch_0002.pyth")
     # The config is the run's; MAX_EPOCH overridden to 60 does not relabel the epoch.
     result = run_tool("test_net.py", "--run", out, "OPTIM.MAX_EPOCH", "60")
     assert result.returncode == 0, result.stderr
     assert f"loaded model weights of {newest}: " in result.stdout
-    assert "evaluating the weights of epoch 2/60" in result.stdout
+    # Which weights of which file, from where in training, in one line (with
+    # MAX_EPOCH 60 the run's 2 epochs are not all of them).
+    assert (
+        f"evaluating model weights of {newest} (epoch 2/60: the run had not "
+        "finished)" in result.stdout
+    )
     assert "(359 images, epoch 2/60)" in result.stdout
     # The run's own log is untouched; the evaluation's is in OUT_DIR/eval.
     with open(os.path.join(out, "stdout.log")) as f:
@@ -41,17 +51,25 @@ def test_test_net_run_and_best(digits, tmp_path):
 
     with open(os.path.join(out, "checkpoints", "best.json")) as f:
         best = json.load(f)
-    result = run_tool("test_net.py", "--run", out, "--best", "TEST.USE_EMA", "True")
+    result = run_tool("test_net.py", "--run", out, "--best")
     assert result.returncode == 0, result.stderr
     best_file = os.path.join(out, "checkpoints", best["checkpoint"])
-    # No EMA in this run: the model weights, said so.
-    assert f"loaded model weights of {best_file}: " in result.stdout
-    assert f"epoch {best['epoch']}/2)" in result.stdout
+    assert f"evaluating model weights of {best_file} (epoch {best['epoch']}/2" in (
+        result.stdout
+    )
+    # No EMA in this run: its EMA weights are refused, in one line, not replaced by
+    # the model's.
+    result = run_tool("test_net.py", "--run", out, "--best", "TEST.USE_EMA", "True")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"error: checkpoint {best_file} holds no EMA weights (its run kept none: "
+        "OPTIM.EMA_ALPHA 0); take its model weights (TEST.USE_EMA False, export "
+        "without --ema, load_trained without ema=True)"
+    )
 
 
-def test_test_weights_folder(digits, tmp_path):
-    out = str(tmp_path / "run")
-    _train(digits, out)
+def test_test_weights_folder(run, digits, tmp_path):
+    out, _ = run
     newest = os.path.join(out, "checkpoints", "model_epoch_0002.pyth")
     common = ["--cfg", DIGITS_CFG, "DATA.PATH", digits, *SMALL]
     for folder in (out, os.path.join(out, "checkpoints")):
@@ -89,9 +107,8 @@ def test_run_mistakes(tmp_path):
         assert result.stderr.strip() == "error: give --cfg FILE or --run OUT_DIR"
 
 
-def test_info_net_run(digits, tmp_path):
-    out = str(tmp_path / "run")
-    _train(digits, out)
+def test_info_net_run(run):
+    out, _ = run
     result = run_tool("info_net.py", "--run", out, "--json")
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)

@@ -1,4 +1,4 @@
-"""docs/GETTING_STARTED.md's section 5 run as written (average, evaluate, export to
+"""docs/GETTING_STARTED.md's section 6 run as written (average, evaluate, export to
 safetensors and ONNX, load in timm and onnxruntime) on a run trained here, and what
 the exports must be: timm's model and onnxruntime's graph computing the model's
 logits, at any batch or a fixed one, with a model card."""
@@ -28,11 +28,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 SMALL = ["VIT.NUM_LAYERS", "1", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
          "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "3",
          "OPTIM.WARMUP_EPOCHS", "0", "TRAIN.CHECKPOINT_PERIOD", "1"]  # fmt: skip
-SECTION = "## 5. After training"
+SECTION = "## 6. After training"
 
 
 def _doc_blocks():
-    """The code blocks of GETTING_STARTED's section 5: (shell lines, python code)."""
+    """The code blocks of GETTING_STARTED's section 6: (shell lines, python code)."""
     with open(os.path.join(ROOT, "docs", "GETTING_STARTED.md")) as f:
         text = f.read()
     section = text[text.index(SECTION) :]
@@ -52,7 +52,7 @@ def _tool(cwd, script, *args):
 @pytest.fixture(scope="module")
 def demo(digits, tmp_path_factory):
     """A folder laid out as the repository after `make demo` (data/digits, a trained
-    out/digits), and the outputs of section 5's commands run there as written."""
+    out/digits), and the outputs of section 6's commands run there as written."""
     home = tmp_path_factory.mktemp("home")
     os.makedirs(home / "data")
     os.symlink(digits, home / "data" / "digits")
@@ -175,6 +175,8 @@ def test_model_cards(demo):
     for fmt in ("timm", "onnx"):
         card = (home / f"out/digits/export_{fmt}/README.md").read_text()
         assert evaluation["table"] in card  # test_net's result for this checkpoint
+        assert "| val | 10 | 16 | " in card  # its split, classes and size
+        assert "model weights of " in card and "(epoch 3/3)" in card
         assert f"| parameters | {complexity(cfg)['params'] / 1e6:.3f} M |" in card
         assert "| 1 | pycls_fast |" in card and "| 32 | timm |" in card
         assert "torch " + torch.__version__ in card
@@ -187,13 +189,14 @@ def test_onnx_fixed_batch_and_refusals(demo, tmp_path):
 
     home, _ = demo
     run = str(home / "out/digits")
-    dst = tmp_path / "fixed"
+    # A --dst ending in .onnx is the file; the model card goes beside it.
+    dst = tmp_path / "fixed.onnx"
     result = run_tool("export.py", "--run", run, "--format", "onnx",
                       "--dst", str(dst), "--batch", "4", "--no-throughput")  # fmt: skip
     assert result.returncode == 0, result.stderr
-    session = onnxruntime.InferenceSession(
-        str(dst / "model.onnx"), providers=["CPUExecutionProvider"]
-    )
+    assert sorted(os.listdir(tmp_path)) == ["fixed.md", "fixed.onnx"]
+    assert '"fixed.onnx"' in (tmp_path / "fixed.md").read_text()
+    session = onnxruntime.InferenceSession(str(dst), providers=["CPUExecutionProvider"])
     assert session.get_inputs()[0].shape[0] == 4
     cfg, _ = _our_model(home)
     weights = torch.load(
@@ -210,6 +213,10 @@ def test_onnx_fixed_batch_and_refusals(demo, tmp_path):
     )
     with pytest.raises(onnxruntime.capi.onnxruntime_pybind11_state.InvalidArgument):
         session.run(["logits"], {"images": _images(2).numpy()})
+    result = run_tool("export.py", "--run", run, "--format", "onnx",
+                      "--dst", str(tmp_path / "m.safetensors"))  # fmt: skip
+    assert result.returncode == 2
+    assert "a .safetensors file, but --format onnx" in result.stderr
     # timm's LayerNorm eps is 1e-6: a model trained with another is refused, in one
     # line, before any work.
     eps = str(tmp_path / "eps")
@@ -227,3 +234,42 @@ def test_onnx_fixed_batch_and_refusals(demo, tmp_path):
                           "--dst", str(tmp_path / "no"), *args)  # fmt: skip
         assert result.returncode == 2 and text in result.stderr, result.stderr
     assert not (tmp_path / "no").exists()
+
+
+def test_a_safetensors_dst_is_the_file_with_its_config_and_card_beside(
+    demo, tmp_path, monkeypatch
+):
+    import timm
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    home, _ = demo
+    dst = str(tmp_path / "digits.safetensors")
+    result = run_tool("export.py", "--run", str(home / "out/digits"),
+                      "--format", "safetensors", "--dst", dst,
+                      "--no-throughput")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(tmp_path)) == [
+        "digits.json",
+        "digits.md",
+        "digits.safetensors",
+    ]
+    # The card's loading snippet, run in the folder, builds the same function.
+    card = (tmp_path / "digits.md").read_text()
+    snippet = card.split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(snippet, scope)
+    cfg, _ = _our_model(home)
+    ours = build_model(cfg).eval()
+    last = torch.load(
+        home / "out/digits/checkpoints/model_epoch_0003.pyth", weights_only=True
+    )
+    ours.load_state_dict(last["model_state"])
+    x = _images(2)
+    with torch.no_grad():
+        expected = ours(x).double()
+        got = scope["model"](x).double()
+    assert isinstance(scope["model"], timm.models.VisionTransformer)
+    assert (got - expected).abs().max().item() <= logit_tolerance(
+        cfg, expected.abs().max().item()
+    )

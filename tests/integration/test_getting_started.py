@@ -66,13 +66,17 @@ def test_a_runs_life_as_documented(digits, tmp_path):
         ):
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err
     assert "stopped by SIGINT at epoch 1, iteration" in err
     assert "rerun the same command to resume" in err
+    # Said once (the tool's last line), not also by the log on the console; the
+    # log file keeps it.
+    assert (out + err).count("stopped by SIGINT") == 1, out[-2000:]
+    assert "stopped by SIGINT at epoch 1" in log.read_text()
 
     result = _run(_argv(resume, tmp_path, digits))
     assert result.returncode == 0, result.stderr

@@ -1,4 +1,4 @@
-"""docs/GETTING_STARTED.md, "6. Watching a long run": its commands, run as written (the
+"""docs/GETTING_STARTED.md, "7. Watching a long run": its commands, run as written (the
 demo's data and OUT_DIR pointed at test folders, the model shrunk), give a W&B run
 offline and the MFU and goodput figures the section says where to read."""
 
@@ -16,7 +16,7 @@ from tests.helpers import ROOT
 pytestmark = pytest.mark.slow
 pytest.importorskip("wandb")
 
-SECTION = "## 6. Watching a long run"
+SECTION = "## 7. Watching a long run"
 SHRINK = [
     "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "VIT.NUM_LAYERS", "2",
     "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64", "TRAIN.BATCH_SIZE", "128",
@@ -61,3 +61,14 @@ def test_the_sections_commands_show_a_wandb_run_mfu_and_goodput(digits, tmp_path
     mfus = json.loads(outputs[2].strip().replace("'", '"'))
     assert len(mfus) == 2 and all(m > 0 for m in mfus)
     assert os.path.isfile(os.path.join(out, "wandb_id"))
+    # Evaluating the run needs no W&B login: not here (no key, no netrc, online),
+    # where wandb.init would refuse or prompt. W&B is skipped, and said so.
+    bare = {k: v for k, v in env.items() if not k.startswith("WANDB_")}
+    bare["HOME"] = str(tmp_path / "home")
+    done = subprocess.run(
+        [sys.executable, "tools/test_net.py", "--run", out, "WANDB.MODE", "online"],
+        capture_output=True, text=True, env=bare, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "LOG_WANDB: W&B skipped for this evaluation" in done.stdout
+    assert "top-1 accuracy:" in done.stdout

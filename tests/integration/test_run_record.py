@@ -27,8 +27,8 @@ def trained(digits, tmp_path_factory):
     args = ["--cfg", DIGITS_CFG, "DATA.PATH", digits, *SMALL, "OUT_DIR", out]
     result = run_tool("train_net.py", *args, "OPTIM.MAX_EPOCH", "1")
     assert result.returncode == 0, result.stderr
-    # The demo's 2 warmup epochs in a 1-epoch run: said in the start-up log.
-    assert "OPTIM.WARMUP_EPOCHS (2) >= OPTIM.MAX_EPOCH (1): the run ends before" in (
+    # The demo's 5 warmup epochs in a 1-epoch run: said in the start-up log.
+    assert "OPTIM.WARMUP_EPOCHS (5) >= OPTIM.MAX_EPOCH (1): the run ends before" in (
         _read(os.path.join(out, "stdout.log"))
     )
     return out, args

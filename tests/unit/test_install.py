@@ -13,9 +13,12 @@ from packaging.requirements import Requirement
 
 from tests.helpers import ROOT
 
+# The package's requirements, the demo's dataset (scikit-learn), and what the
+# after-training section of GETTING_STARTED runs after `make demo` (the ONNX export
+# and onnxruntime).
 RUNTIME = ["torch", "timm", "spdl", "yacs", "numpy", "pillow", "pyyaml", "psutil",
            "tqdm", "matplotlib", "submitit", "fsspec", "scikit-learn",
-           "torchao"]  # fmt: skip
+           "torchao", "onnx", "onnxscript", "onnxruntime"]  # fmt: skip
 
 
 def _norm(name):
@@ -71,3 +74,22 @@ def test_make_demo_installs_the_runtime_and_make_test_everything():
     runtime = next(i for i, x in enumerate(test) if "requirements-runtime.lock" in x)
     full = next(i for i, x in enumerate(test) if "-r requirements.lock" in x)
     assert runtime < full
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+@pytest.mark.parametrize("status,code", [(130, 0), (143, 0), (1, 2)])
+def test_make_demo_ends_quietly_after_a_stop(tmp_path, status, code):
+    """A stopped training (Ctrl-C: 130, SIGTERM: 143) ends `make demo` with status 0
+    and no "Error 130" (train_net said how to resume); a failure is make's error."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        '#!/bin/sh\ncase "$*" in *train_net.py*) exit "$TRAIN_STATUS";; esac\n'
+    )
+    fake.chmod(0o755)
+    out = subprocess.run(
+        ["make", "-o", ".venv/.installed", "demo", f"PY={fake}"], cwd=ROOT,
+        env={**os.environ, "TRAIN_STATUS": str(status)}, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert out.returncode == code, out.stderr
+    assert ("Error" in out.stderr) == (code != 0), out.stderr

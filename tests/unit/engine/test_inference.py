@@ -42,7 +42,9 @@ def test_rows_of_ours_and_timm():
     cfg = tiny_cfg("AMP.MODE", "fp32")
     device = torch.device("cpu")
     models = build_models(cfg, device)
-    rows = measure_inference(cfg, models, [1, 3], device, rounds=2, iters=1, warmup=1)
+    rows = measure_inference(
+        cfg, models, [1, 3], device, rounds=2, iters=1, warmup=1, min_turn_s=0
+    )
     assert [(r["model"], r["infer_batch_size"]) for r in rows] == [
         (OURS, 1), (TIMM, 1), (OURS, 3), (TIMM, 3),
     ]  # fmt: skip
@@ -54,3 +56,23 @@ def test_rows_of_ours_and_timm():
         speed = ours["infer_batch_size"] / (ours["infer_step_time"] / 1e3)
         assert ours["infer_samples_per_sec"] == pytest.approx(speed, rel=EXACT["rtol"])
     assert "| 3 | pycls_fast |" in format_rows(rows)
+
+
+def test_a_turn_lasts_at_least_min_turn_s(monkeypatch):
+    """Forwards of a few milliseconds are timed in turns of enough of them to fill
+    min_turn_s, not `iters` alone (the clock made exact: 2 ms a forward)."""
+    from pycls_fast.engine import inference
+
+    counts = []
+
+    def seconds(fn, device, n):
+        counts.append(n)
+        return 0.002
+
+    monkeypatch.setattr(inference, "_seconds", seconds)
+    cfg = tiny_cfg("AMP.MODE", "fp32")
+    models = {OURS: torch.nn.Identity(), TIMM: torch.nn.Identity()}
+    measure_inference(cfg, models, [1], torch.device("cpu"), rounds=2, iters=3,
+                      warmup=1, min_turn_s=0.05)  # fmt: skip
+    # One forward of each to calibrate, then 2 rounds of both in turns of 25.
+    assert counts == [1, 1, 25, 25, 25, 25]

@@ -1,8 +1,10 @@
 """pycls_fast.engine.predict: a checkpoint loaded in one call, images prepared
 exactly as the evaluation loader prepares them, top-k predictions."""
 
+import logging
 import os
 
+import pytest
 import torch
 from PIL import Image
 
@@ -10,6 +12,7 @@ from pycls_fast.checkpoint.files import save_checkpoint
 from pycls_fast.datasets.formats.index import load_index
 from pycls_fast.datasets.loader import construct_test_loader
 from pycls_fast.engine.predict import load_trained
+from pycls_fast.errors import CheckpointError, UserError
 from pycls_fast.models import build_model
 from tests.helpers import tiny_cfg
 
@@ -70,3 +73,50 @@ def test_predict_top_k(tmp_path, digits):
     torch.testing.assert_close(
         torch.tensor([p for _, _, p in top]), want.values, rtol=0, atol=0
     )
+
+
+def test_load_trained_says_which_weights_it_took(tmp_path, digits, caplog):
+    cfg = tiny_cfg(*CFG, "DATA.PATH", digits, "OUT_DIR", str(tmp_path),
+                   "OPTIM.MAX_EPOCH", "4")  # fmt: skip
+    model = build_model(cfg)
+    # A checkpoint taken during epoch 3 (2 completed, 5 iterations into the third).
+    state = {"model_state": model.state_dict(), "cfg": cfg.dump(), "epoch": 2,
+             "iter": 5}  # fmt: skip
+    path = save_checkpoint(cfg.OUT_DIR, state, 2, 5)
+    with caplog.at_level(logging.INFO, logger="pycls_fast"):
+        trained = load_trained(str(tmp_path))
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert lines == [(logging.WARNING, f"load_trained: model weights of {path} "
+                      "(taken during epoch 3/4, at iteration 5: the run had not "
+                      "finished)")]  # fmt: skip
+    assert trained.loaded.unfinished(4)
+    # After the last epoch: said, not warned of.
+    state = {**state, "epoch": 4, "iter": 0}
+    path = save_checkpoint(cfg.OUT_DIR, state, 4)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pycls_fast"):
+        load_trained(str(tmp_path))
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, f"load_trained: model weights of {path} (epoch 4/4)")
+    ]
+
+
+def test_load_trained_refuses_ema_weights_a_run_did_not_keep(tmp_path, digits):
+    _run(tmp_path, digits)
+    with pytest.raises(CheckpointError) as e:
+        load_trained(str(tmp_path), ema=True)
+    assert str(e.value).startswith(
+        f"checkpoint {tmp_path}/checkpoints/model_epoch_0001.pyth holds no EMA "
+        "weights (its run kept none: OPTIM.EMA_ALPHA 0)"
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPU")
+def test_load_trained_on_a_missing_gpu_is_one_line(tmp_path, digits):
+    _run(tmp_path, digits)
+    with pytest.raises(UserError) as e:
+        load_trained(str(tmp_path), device="cuda")
+    assert str(e.value) == "device 'cuda': no CUDA GPU is visible here"
+    with pytest.raises(UserError) as e:
+        load_trained(str(tmp_path), device="gpu")
+    assert str(e.value).startswith("device 'gpu': ")

@@ -8,9 +8,9 @@ import pytest
 from benchmarks.ladder_dist import rung_configs
 from pycls_fast.config import check_launch
 from pycls_fast.errors import ConfigError
-from pycls_fast.launch.cli import cfg_from_args, config_parser
+from pycls_fast.launch.cli import cfg_from_args, config_parser, without_wandb
 from pycls_fast.launch.submit import job_shape
-from tests.helpers import DIGITS_CFG, ROOT
+from tests.helpers import DIGITS_CFG, ROOT, tiny_cfg
 
 VIT_H_14 = os.path.join(ROOT, "configs/vit/ViT-H-14.yaml")
 VIT_H_16 = os.path.join(ROOT, "configs/vit/ViT-H-16.yaml")
@@ -74,3 +74,15 @@ def test_the_64_gpu_ladder_batch_splits_over_its_ranks():
     assert {cfg.TRAIN.BATCH_SIZE // cfg.NUM_GPUS for _, _, cfg in rungs} == {70}
     with pytest.raises(ConfigError, match="TRAIN.BATCH_SIZE \\(560\\) must be div"):
         rung_configs(VIT_H_16, ["AMP.DTYPE", "fp16"], 560, 64, 256)
+
+
+def test_an_evaluation_skips_wandb_and_says_so(capsys, tmp_path):
+    """test_net of a LOG_WANDB run needs no W&B login: W&B is left out, said once."""
+    cfg = tiny_cfg("LOG_WANDB", "True", "OUT_DIR", str(tmp_path))
+    out = without_wandb(cfg)
+    assert out.LOG_WANDB is False and out.OUT_DIR == cfg.OUT_DIR
+    assert capsys.readouterr().out == (
+        "LOG_WANDB: W&B skipped for this evaluation; its records are in "
+        f"{tmp_path}/stdout.log\n"
+    )
+    assert without_wandb(out) is out and capsys.readouterr().out == ""
