@@ -8,9 +8,10 @@ For each AMP mode (one model built once): the step alone on a synthetic batch (a
 `time_net` times it: `step img/s`), then, per (recipe, loader mode) cell, the real
 loop (`train_epoch`: the device prefetcher, meters, EMA, logging) over a real loader
 of --data's train split with the recipe's train transforms (benchmarks/contention.py's
-RECIPES; 'cfg': the --cfg file's own), for --warmup steps and then --steps timed ones: `real img/s` and
-`real / step`. Per cell also: the loader's data-wait fraction, and the training
-thread's CPU time per step and voluntary context switches per step (GIL waits).
+RECIPES; 'cfg': the --cfg file's own), for --warmup steps and then --steps timed
+ones: `real img/s` and `real / step`. Per cell also: the loader's data-wait
+fraction, and the training thread's CPU time per step and voluntary context
+switches per step (GIL waits).
 `--graphs-cell RECIPE:MODE` adds that cell with TRAIN.CUDA_GRAPHS True at the first
 AMP mode. The slowest cell is then rerun for --profile-steps steps under
 torch.profiler: a trace (chrome JSON) and its operator table in --out.
