@@ -212,14 +212,16 @@ def digits_opts(digits: str, out_dir, *opts: str) -> list[str]:
     """Overrides of the digits demo config (DIGITS_CFG), shrunk for tests: 16 px
     images, 2 blocks of width 32 (MLP 64), 128 images a step (11 steps an epoch),
     200 a test batch, 1 loader thread, hard labels (the demo's label smoothing
-    flattens the few steps' losses that parity tolerances are scaled by); `opts`
-    come last, so they win."""
+    flattens the few steps' losses that parity tolerances are scaled by), no
+    kept-best checkpoint (retention tests count the files); `opts` come last, so
+    they win."""
     return [
         "DATA.PATH", digits, "OUT_DIR", str(out_dir),
         "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
         "VIT.NUM_LAYERS", "2", "VIT.HIDDEN_DIM", "32", "VIT.MLP_DIM", "64",
         "TRAIN.BATCH_SIZE", "128", "TEST.BATCH_SIZE", "200",
         "DATA_LOADER.NUM_WORKERS", "1", "TRAIN.LABEL_SMOOTHING", "0.0",
+        "TRAIN.CHECKPOINT_KEEP_BEST", "False",
         *opts,
     ]  # fmt: skip
 

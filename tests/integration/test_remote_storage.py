@@ -94,7 +94,8 @@ def _train_args(out_dir, mirror):
         "DATA.FORMAT", "shards", "DATA.SHUFFLE_BUFFER", "16", "OUT_DIR", out_dir,
         "OUT_MIRROR", mirror, "OPTIM.MAX_EPOCH", "4", "TRAIN.BATCH_SIZE", "8",
         "TEST.BATCH_SIZE", "16", "TRAIN.CHECKPOINT_PERIOD", "1",
-        "TRAIN.CHECKPOINT_KEEP", "2", "DATA_LOADER.NUM_WORKERS", "2",
+        "TRAIN.CHECKPOINT_KEEP", "2", "TRAIN.CHECKPOINT_KEEP_BEST", "False",
+        "DATA_LOADER.NUM_WORKERS", "2",
         "TRAIN.MIXED_PRECISION", "False", "NUM_GPUS", "1", "LOG_PERIOD", "2",
     ]  # fmt: skip
 
