@@ -777,21 +777,24 @@ _key("DATA.INDEX_CACHE", True)
 # ------------------------------- Data loader options -------------------------------- #
 _C.DATA_LOADER = CfgNode()
 
-# Number of decoding threads ('threads', 'spdl' modes) or worker processes ('processes')
+# Number of decoding threads ('threads', 'spdl', 'subprocess' modes) or worker
+# processes ('processes')
 _key("DATA_LOADER.NUM_WORKERS", 8, ge=0)
 
 # Load data to pinned host memory (applies when training on a GPU)
 _key("DATA_LOADER.PIN_MEMORY", True)
 
-# pycls_fast: 'threads' (in-process decoding threads), 'spdl' (the same in an
-# spdl.pipeline), 'subprocess' (the same threads in DATA_LOADER.SUBPROCESSES child
-# processes, batches in shared memory: the training thread keeps its GIL) or
-# 'processes' (torch DataLoader); pycls's 'pytorch' loads as 'processes', its 'ffcv'
-# is refused (not implemented)
+# pycls_fast: 'auto' (the mode measured best for the device the step runs on:
+# 'subprocess' on a GPU, 'threads' on the CPU; datasets/loader.py MEASURED_BEST_MODE),
+# 'threads' (in-process decoding threads), 'spdl' (the same in an spdl.pipeline),
+# 'subprocess' (the same threads in DATA_LOADER.SUBPROCESSES child processes, batches
+# in shared memory: the training thread keeps its GIL) or 'processes' (torch
+# DataLoader); every mode yields the same batches. pycls's 'pytorch' loads as
+# 'processes', its 'ffcv' is refused (not implemented)
 _key(
     "DATA_LOADER.MODE",
-    "threads",
-    choices=["threads", "spdl", "subprocess", "processes", "pytorch", "ffcv"],
+    "auto",
+    choices=["auto", "threads", "spdl", "subprocess", "processes", "pytorch", "ffcv"],
 )
 
 # pycls_fast: child processes of 'subprocess' mode, sharing DATA_LOADER.NUM_WORKERS
@@ -1213,7 +1216,7 @@ _REFUSALS = [
     _Refusal(
         "DATA_LOADER.MODE",
         lambda c: c.DATA_LOADER.MODE == "ffcv",
-        "use 'threads' (the default), 'spdl', 'subprocess' or 'processes'",
+        "use 'auto' (the default), 'threads', 'spdl', 'subprocess' or 'processes'",
         "refused: 'ffcv'",
     ),
 ]

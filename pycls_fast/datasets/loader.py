@@ -42,8 +42,25 @@ from pycls_fast.storage import is_remote
 
 logger = logging.getLogger(__name__)
 
-# The values of DATA_LOADER.MODE.
+# The values of DATA_LOADER.MODE that name an engine ('auto' names one of them).
 MODES = ("threads", "spdl", "processes", "subprocess")
+
+# DATA_LOADER.MODE 'auto' by the device the step runs on, from benchmarks/contention.py
+# and benchmarks/real_run.py (docs/PERFORMANCE.md, "The loader beside the step"). On a
+# GPU the training thread launches kernels and is host-bound: decoding threads in its
+# process take its GIL in every launch, a child process does not. On a CPU the step is
+# compute in GIL-free kernels sharing the same cores; a child process only adds a copy
+# through shared memory and a second interpreter.
+MEASURED_BEST_MODE = {"cuda": "subprocess", "cpu": "threads"}
+
+
+def resolve_mode(mode: str, device_type: str) -> str:
+    """The engine DATA_LOADER.MODE `mode` stands for when the step runs on a
+    `device_type` device: `mode` itself, or for 'auto' the measured best (threads
+    where nothing was measured)."""
+    if mode == "auto":
+        return MEASURED_BEST_MODE.get(device_type, "threads")
+    return mode
 
 
 class ImageLoader:
@@ -291,10 +308,19 @@ def _loader(cfg, index, train, plan):
             return by_size[size]
 
         decoder = decoder_for(0)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    mode = resolve_mode(cfg.DATA_LOADER.MODE, device_type)
+    if train and mode != cfg.DATA_LOADER.MODE:
+        logger.info(
+            "data loader: %s mode (DATA_LOADER.MODE %s on %s)",
+            mode,
+            cfg.DATA_LOADER.MODE,
+            device_type,
+        )
     return ImageLoader(
         decoder,
         plan,
-        cfg.DATA_LOADER.MODE,
+        mode,
         cfg.DATA_LOADER.NUM_WORKERS,
         cfg.DATA_LOADER.PREFETCH,
         cfg.DATA_LOADER.MAX_BAD_FRAC,

@@ -108,6 +108,31 @@ def test_all_modes_yield_identical_batches(data_root, tmp_path):
             assert torch.equal(x, s) and torch.equal(y, t)
 
 
+def test_auto_mode_is_the_measured_best_for_the_device(
+    data_root, tmp_path, monkeypatch, caplog
+):
+    assert loader_module.resolve_mode("auto", "cuda") == "subprocess"
+    assert loader_module.resolve_mode("auto", "cpu") == "threads"
+    assert loader_module.resolve_mode("auto", "xpu") == "threads"  # not measured
+    assert loader_module.resolve_mode("spdl", "cuda") == "spdl"  # named: as named
+    cfg = _cfg(data_root, tmp_path)
+    assert cfg.DATA_LOADER.MODE == "auto"  # the default
+    with caplog.at_level(logging.INFO, logger=loader_module.__name__):
+        assert construct_train_loader(cfg).mode == "threads"
+        assert construct_test_loader(cfg).mode == "threads"
+    # Said once, for the training loader.
+    assert (
+        caplog.text.count("data loader: threads mode (DATA_LOADER.MODE auto on cpu)")
+        == 1
+    )
+    # Where the step runs on a GPU, both loaders are the child-process one.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert construct_train_loader(cfg).mode == "subprocess"
+    assert construct_test_loader(cfg).mode == "subprocess"
+    cfg.DATA_LOADER.MODE = "threads"
+    assert construct_train_loader(cfg).mode == "threads"
+
+
 @pytest.mark.parametrize("mode", ["threads", "spdl", "processes", "subprocess"])
 def test_with_plan_yields_the_fixed_batches_in_that_mode(data_root, tmp_path, mode):
     loader = construct_train_loader(_cfg(data_root, tmp_path))
