@@ -32,8 +32,13 @@ $(DEV_STAMP): $(STAMP) requirements.lock
 # cluster tests, tests/slurm/cluster.sh) is installed when missing and this is root
 # with apt-get; otherwise those tests skip and say why (under CI=true they fail).
 # The summary lists the 15 slowest tests: the suite's budget is about 25 minutes.
+# TEST_WORKERS pytest-xdist processes run the test files side by side (a file's tests
+# stay in one process, in order): most tests are one core's work (their training
+# subprocesses run one intra-op thread), so one at a time left a 2-core machine a
+# third idle. TEST_WORKERS=0 runs them in this process, one after the other.
+TEST_WORKERS ?= 2
 test: setup-dev lint slurm
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 # In-process tests only (about a minute): tests/unit.
 test-unit: setup-dev
@@ -64,7 +69,7 @@ $(MKL_INTEL_SHIM): tests/cpu_kinds/mkl_intel_path.c
 	mkdir -p build
 	cc -shared -fPIC -O2 -o $@ $<
 test-intel-mkl: setup-dev lint slurm $(MKL_INTEL_SHIM)
-	LD_PRELOAD=$(CURDIR)/$(MKL_INTEL_SHIM) $(PY) -m pytest -q --durations=15
+	LD_PRELOAD=$(CURDIR)/$(MKL_INTEL_SHIM) $(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 # Under CI=true a failed install fails the run (cluster.sh says why); elsewhere the
 # SLURM tests skip, and the summary counts them.

@@ -41,6 +41,7 @@ setup(
         "dev": [
             "pytest>=8",
             "pytest-timeout>=2",
+            "pytest-xdist>=3",
             "ruff>=0.6",
             "scikit-learn>=1.3",
             "s3fs>=2023.1",

@@ -15,6 +15,12 @@ import platform
 import sys
 
 GPU_TESTS = "--gpu" in sys.argv or os.environ.get("PYCLS_FAST_TEST_GPU") == "1"
+# OpenMP threads that finish a parallel region sleep instead of spinning: `make test`
+# runs two test files at once, each often with processes of its own, so the cores
+# are oversubscribed, and a spinning thread burns the core another test needs (two
+# 2-thread trainings side by side took 30 s each spinning, 23-24 s passive). Set
+# before torch loads its OpenMP runtime; the processes the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if not GPU_TESTS:
     # Before torch initializes CUDA (lazily, at the first CUDA call).
     os.environ["CUDA_VISIBLE_DEVICES"] = ""

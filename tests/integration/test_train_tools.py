@@ -122,7 +122,11 @@ def test_time_net_keeps_to_its_budget_and_shows_progress(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = [x for x in result.stderr.splitlines() if x.startswith("time_net: ")]
     phases = " ".join(lines)
-    for phase in ("train (forward", "evaluation (batch 8)", "loader:", "matmul peak"):
+    # The training phase says its plan, or (on a machine busy enough that its first
+    # round, first-call costs and all, takes over half its share) that the round is
+    # the figure.
+    assert "train (forward" in phases or "train: one round takes" in phases, phases
+    for phase in ("evaluation (batch 8)", "loader:", "matmul peak"):
         assert phase in phases, result.stderr
     assert "timed calls of ~" in phases
     assert json.loads(result.stdout.strip().splitlines()[-1])["train_img_per_s"] > 0
