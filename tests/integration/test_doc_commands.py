@@ -122,6 +122,8 @@ REDUCTIONS = [
      "a profile on a GPU"),
     ("PERFORMANCE.md", ".venv/bin/python -m benchmarks.fp8", "skip",
      "needs a GPU with float8 matmuls; test_bench_fp8 runs it emulated, tiny"),
+    ("PERFORMANCE.md", ".venv/bin/python -m benchmarks.contention", "skip",
+     "minutes of timed rounds; test_bench_data runs it at a small size"),
     ("PERFORMANCE.md", "make gpu-wheels", "skip",
      "downloads wheels from the registry into build/wheels"),
     ("RECIPES.md", ".venv/bin/python tools/train_net.py", "config", "ImageNet on GPUs"),
