@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+from importlib import metadata
 
 import torch
 from yacs.config import CfgNode
@@ -41,9 +42,10 @@ def outdated_packages(versions: dict[str, str] | None = None) -> list[str]:
     """One "name version, older than floor" per package older than TESTED_FLOORS;
     `versions` (name -> version) defaults to the installed torch and timm."""
     if versions is None:
-        import timm
-
-        versions = {"torch": torch.__version__, "timm": timm.__version__}
+        # The installed timm's version from its metadata: importing timm costs seconds
+        # (it imports wandb where installed), and a run that needs none of it pays them
+        # at every start.
+        versions = {"torch": torch.__version__, "timm": metadata.version("timm")}
     return [
         f"{name} {versions[name]}, older than {floor}"
         for name, floor in TESTED_FLOORS.items()

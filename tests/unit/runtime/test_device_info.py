@@ -3,6 +3,9 @@ the device line of the start-up log. CUDA is faked by monkeypatching torch.cuda.
 
 import ast
 import os
+import subprocess
+import sys
+from importlib import metadata
 
 import pytest
 import torch
@@ -138,6 +141,26 @@ def test_the_installed_packages_are_not_outdated():
     from pycls_fast.runtime.device_info import outdated_packages, outdated_warning
 
     assert outdated_packages() == [] and outdated_warning() is None
+
+
+def test_the_version_check_reads_timm_metadata_without_importing_timm():
+    """Every run's start checks timm's version; importing timm there cost each
+    process seconds (timm imports wandb where installed) that a run without timm's
+    parts never needed."""
+    import timm
+
+    code = (
+        "import sys\n"
+        "from pycls_fast.runtime.device_info import outdated_packages\n"
+        "outdated_packages()\n"
+        "print(sorted(m for m in ('timm', 'wandb') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    assert metadata.version("timm") == timm.__version__
 
 
 def test_the_outdated_warning_names_the_fix(monkeypatch):
