@@ -89,18 +89,12 @@ def keep_only(out_dir: str, names: Collection[str]) -> list[str]:
     folder = checkpoint_dir(out_dir)
     if not os.path.isdir(folder):
         return []
-    deleted = []
-    for name in sorted(os.listdir(folder)):
-        if position(name) is None or name in names:
-            continue
-        path = os.path.join(folder, name)
-        try:
-            remove_checkpoint(path)
-        except OSError as e:
-            logger.warning("cannot delete old checkpoint %s: %s", path, e)
-            continue
-        deleted.append(path)
-    return deleted
+    doomed = [
+        os.path.join(folder, name)
+        for name in sorted(os.listdir(folder))
+        if position(name) is not None and name not in names
+    ]
+    return _remove(doomed, log_each=False)
 
 
 def apply_retention(
@@ -108,13 +102,21 @@ def apply_retention(
 ) -> list[str]:
     """Deletes what `to_delete` names (call on rank 0 only); returns the paths
     deleted. A failed deletion is logged, not fatal: the checkpoints are intact."""
+    doomed = to_delete(list_checkpoints(out_dir), keep_last, protected)
+    return _remove(doomed, log_each=True)
+
+
+def _remove(paths: list[str], log_each: bool) -> list[str]:
+    """Deletes each checkpoint of `paths`; returns those deleted. A failed deletion
+    is a warning (the checkpoints are intact); `log_each` logs every deletion."""
     deleted = []
-    for path in to_delete(list_checkpoints(out_dir), keep_last, protected):
+    for path in paths:
         try:
             remove_checkpoint(path)
         except OSError as e:
             logger.warning("cannot delete old checkpoint %s: %s", path, e)
             continue
         deleted.append(path)
-        logger.info("deleted old checkpoint %s", path)
+        if log_each:
+            logger.info("deleted old checkpoint %s", path)
     return deleted

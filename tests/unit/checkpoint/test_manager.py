@@ -87,6 +87,20 @@ def test_retention_keeps_the_last_k_the_newest_and_the_protected(tmp_path):
     assert retention.to_delete([], 1) == []
 
 
+def test_keep_only_follows_another_folders_retention(tmp_path):
+    """A node's own copy of a sharded checkpoint lacks `.metadata`: keep_only deletes
+    it all the same when rank 0's folder no longer keeps it; other files stay."""
+    names = ["model_epoch_0001.pyth", "model_epoch_0002.dcp", "model_epoch_0003.dcp"]
+    _plant(tmp_path, names)
+    folder = files.checkpoint_dir(str(tmp_path))
+    os.remove(os.path.join(folder, "model_epoch_0002.dcp", ".metadata"))
+    open(os.path.join(folder, "best.json"), "w").close()
+    deleted = retention.keep_only(str(tmp_path), {"model_epoch_0003.dcp"})
+    assert [os.path.basename(p) for p in deleted] == names[:2]
+    assert sorted(os.listdir(folder)) == ["best.json", "model_epoch_0003.dcp"]
+    assert retention.keep_only(str(tmp_path / "none"), set()) == []
+
+
 def _manager(out_dir, keep, keep_best=True):
     cfg = load_cfg(
         None,
