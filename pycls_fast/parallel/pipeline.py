@@ -20,6 +20,7 @@ by the number of micro-batches (`scale_grads`), so they are the whole batch's me
 """
 
 import copy
+import functools
 
 import torch
 from torch import nn
@@ -67,6 +68,15 @@ def stage_bounds(cfg: CfgNode, n_stages: int) -> list[tuple[int, int]]:
     least one each, minimizing the most expensive stage (stem counted with the
     first, head with the last)."""
     stem, blocks, head = _costs(cfg)
+    return list(_balanced_bounds(stem, tuple(blocks), head, n_stages))
+
+
+@functools.cache
+def _balanced_bounds(
+    stem: float, blocks: tuple[float, ...], head: float, n_stages: int
+) -> tuple[tuple[int, int], ...]:
+    """`stage_bounds` of the costs (a dynamic program of n_stages x blocks^2 steps,
+    asked again for every layout the planner weighs: kept)."""
     n = len(blocks)
     if not 1 <= n_stages <= n:
         raise ValueError(f"{n_stages} stages for {n} blocks")
@@ -96,7 +106,7 @@ def stage_bounds(cfg: CfgNode, n_stages: int) -> list[tuple[int, int]]:
         start = cut[s][end] if s else 0
         bounds.append((start, end))
         end = start
-    return bounds[::-1]
+    return tuple(bounds[::-1])
 
 
 def rank_stage_indices(cfg: CfgNode, pp_rank: int) -> list[int]:

@@ -135,22 +135,31 @@ def _param_tensors(cfg):
     return out
 
 
+@functools.cache
 def _block_of(name: str) -> int | None:
     if ".block_" not in name:
         return None
     return int(name.split(".block_")[1].split(".")[0])
 
 
-def _on_stages(name: str, stages: list[int], bounds) -> bool:
-    """Whether the parameter `name` lives on one of the pipeline `stages`."""
-    block = _block_of(name)
-    if block is not None:
-        return any(bounds[s][0] <= block < bounds[s][1] for s in stages)
-    if name.startswith(("encoder.ln", "head")):
-        return len(bounds) - 1 in stages
-    return 0 in stages  # the stem, class / distillation tokens, position embedding
+def _by_stage(tensors, bounds) -> list[list]:
+    """`tensors` (`_param_tensors`'s) split by the pipeline stage (of `bounds`) that
+    holds each: a block's by its block; the final LayerNorm and the head on the
+    last stage; the stem, class / distillation tokens and positions on the first."""
+    of_block = [s for s, (lo, hi) in enumerate(bounds) for _ in range(lo, hi)]
+    out = [[] for _ in bounds]
+    for t in tensors:
+        block = _block_of(t[0])
+        if block is not None:
+            out[of_block[block]].append(t)
+        elif t[0].startswith(("encoder.ln", "head")):
+            out[-1].append(t)
+        else:
+            out[0].append(t)
+    return out
 
 
+@functools.cache
 def _tp_shape(name: str, shape, tp: int):
     if tp == 1 or not shape:
         return shape
@@ -225,7 +234,8 @@ def per_rank_memory(cfg: CfgNode, c: Candidate, tensors=None) -> dict[str, int]:
     tensors = tensors or _param_tensors(cfg)
     per_rank = stages_per_rank(cfg) if c.pp > 1 else 1
     bounds = stage_bounds(cfg, c.pp * per_rank)
-    stages = [_stage_memory(cfg, c, r, bounds, tensors) for r in range(c.pp)]
+    by_stage = _by_stage(tensors, bounds)
+    stages = [_stage_memory(cfg, c, r, bounds, by_stage) for r in range(c.pp)]
     return max(stages, key=lambda m: m["total"])
 
 
@@ -260,16 +270,22 @@ def rank_memory(cfg: CfgNode, c: Candidate, pp_rank: int, tensors=None) -> dict:
     tensors = tensors or _param_tensors(cfg)
     per_rank = stages_per_rank(cfg) if c.pp > 1 else 1
     bounds = stage_bounds(cfg, c.pp * per_rank)
-    return _stage_memory(cfg, c, pp_rank, bounds, tensors)
+    return _stage_memory(cfg, c, pp_rank, bounds, _by_stage(tensors, bounds))
 
 
 def _float8_tensor(cfg, name: str) -> bool:
     """Whether AMP.FP8 makes `name` a parameter of a float8 linear layer."""
-    return bool(cfg.AMP.FP8) and is_float8_layer(name.rsplit(".", 1)[0])
+    return bool(cfg.AMP.FP8) and _float8_param(name)
 
 
-def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, int]:
-    """The bytes of pipeline rank `rank` (its stages rank and rank + PP)."""
+@functools.cache
+def _float8_param(name: str) -> bool:
+    return is_float8_layer(name.rsplit(".", 1)[0])
+
+
+def _stage_memory(cfg, c: Candidate, rank: int, bounds, by_stage) -> dict[str, int]:
+    """The bytes of pipeline rank `rank` (its stages rank and rank + PP);
+    `by_stage`: the parameters of each stage (`_by_stage`)."""
     stages = list(range(rank, len(bounds), c.pp))
     mode, half = resolve_amp(cfg)
     # AMP.FP8 tensorwise under FSDP all-gathers the float8 layers' weights in
@@ -281,11 +297,11 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
     states = optimizer_states(cfg)
     out = dict.fromkeys(("params", "grads", "optimizer", "master", "ema"), 0)
     block_numel = stage_numel = autocast_numel = block_cast_numel = 0
-    for name, shape, is_ln, cast in tensors:
-        if not _on_stages(name, stages, bounds):
-            continue
+    fp8, ema = cfg.AMP.FP8, cfg.OPTIM.EMA_ALPHA
+    on_rank = [t for s in stages for t in by_stage[s]]
+    for name, shape, is_ln, cast in on_rank:
         shape = _tp_shape(name, shape, c.tp)
-        float8 = _float8_tensor(cfg, name)
+        float8 = bool(fp8) and _float8_param(name)
         cast = cast and not float8
         stage_numel += math.prod(shape)
         if float8 and fp8_gather and name.endswith(".weight"):
@@ -310,7 +326,7 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, tensors) -> dict[str, in
         opt_b = 4 if master else stored
         out["grads"] += n * opt_b
         out["optimizer"] += states * n * opt_b
-        out["ema"] += n * 4 if cfg.OPTIM.EMA_ALPHA > 0 else 0
+        out["ema"] += n * 4 if ema > 0 else 0
     out["gathered"] = 0
     if c.fsdp:
         compute_b = half_b if mode in (AmpMode.O2, AmpMode.O3) else 4
