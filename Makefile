@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup setup-dev test test-unit test-integration test-slow slurm lint format demo sweep-demo \
+.PHONY: setup setup-dev test test-slow test-all test-unit test-integration slurm lint format demo sweep-demo \
 	distill-demo \
 	check-node bench bench-dist bench-attention \
 	bench-loader bench-index bench-shards bench-loader-scaling bench-augment \
@@ -28,17 +28,29 @@ $(DEV_STAMP): $(STAMP) requirements.lock
 	$(PY) -m pip install --quiet -r requirements.lock
 	touch $(DEV_STAMP)
 
-# Everything (what CI runs): lint, then unit and integration tests. SLURM (for the
+# The developer's suite: lint, then every test not marked slow (unit and
+# integration; about 18 minutes on 2 cores, within its 25-minute budget). The slow
+# scenario tests (SLURM cluster, S3 server, multi-process resharding, kills and
+# resumes, exports; docs/RELIABILITY.md, "The slow scenario tests") are
+# `make test-slow`; `make test-all` (what CI runs) is both. The summary lists the
+# 15 slowest tests. TEST_WORKERS pytest-xdist processes run the test files side by
+# side (a file's tests stay in one process, in order): most tests are one core's
+# work (their training subprocesses run one intra-op thread), so one at a time
+# left a 2-core machine a third idle. TEST_WORKERS=0 runs them in this process, one
+# after the other.
+TEST_WORKERS ?= 2
+PYTEST_SUITE = $(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
+test: setup-dev lint
+	$(PYTEST_SUITE) -m "not slow"
+
+# The slow scenario tests alone (about 16 minutes on 2 cores). SLURM (for the
 # cluster tests, tests/slurm/cluster.sh) is installed when missing and this is root
 # with apt-get; otherwise those tests skip and say why (under CI=true they fail).
-# The summary lists the 15 slowest tests: the suite's budget is about 25 minutes.
-# TEST_WORKERS pytest-xdist processes run the test files side by side (a file's tests
-# stay in one process, in order): most tests are one core's work (their training
-# subprocesses run one intra-op thread), so one at a time left a 2-core machine a
-# third idle. TEST_WORKERS=0 runs them in this process, one after the other.
-TEST_WORKERS ?= 2
-test: setup-dev lint slurm
-	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
+test-slow: setup-dev slurm
+	$(PYTEST_SUITE) -m slow
+
+# Everything, as CI runs it (.ci/run): `make test`, then `make test-slow`.
+test-all: test test-slow
 
 # In-process tests only (about a minute): tests/unit.
 test-unit: setup-dev
@@ -69,7 +81,7 @@ $(MKL_INTEL_SHIM): tests/cpu_kinds/mkl_intel_path.c
 	mkdir -p build
 	cc -shared -fPIC -O2 -o $@ $<
 test-intel-mkl: setup-dev lint slurm $(MKL_INTEL_SHIM)
-	LD_PRELOAD=$(CURDIR)/$(MKL_INTEL_SHIM) $(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
+	LD_PRELOAD=$(CURDIR)/$(MKL_INTEL_SHIM) $(PYTEST_SUITE)
 
 # Under CI=true a failed install fails the run (cluster.sh says why); elsewhere the
 # SLURM tests skip, and the summary counts them.
@@ -126,9 +138,6 @@ MUTANTS ?= 6
 mutation: setup
 	$(PY) tools/mutation.py --per-module $(MUTANTS)
 
-# Scenario tests marked slow (also part of `make test`), alone.
-test-slow: setup-dev
-	$(PY) -m pytest -q -m slow
 
 # Checks a new node: devices, AMP modes, DDP vs FSDP, all-reduce, matmul peaks, loader.
 check-node: setup

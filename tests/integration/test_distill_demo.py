@@ -4,12 +4,16 @@ from it with a distillation token; and the same student sharded by FSDP."""
 
 import os
 
+import pytest
+
 from pycls_fast.observe.logging import load_json_stats
 from tests.helpers import (
     DIGITS_CFG,
     ROOT,
     run_tool,
 )
+
+pytestmark = pytest.mark.slow  # a teacher, then students, trained
 
 STUDENT_CFG = os.path.join(ROOT, "configs/deit/deit_s_digits_distill.yaml")
 SMALL = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "DATA_LOADER.NUM_WORKERS", "1"]

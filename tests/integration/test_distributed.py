@@ -32,8 +32,6 @@ from tests.helpers import (
 )
 from tests.integration.parallel_parity import run_layout
 
-pytestmark = pytest.mark.slow
-
 TRAIN_NET, TEST_NET = "train_net.py", "test_net.py"  # tools/, for run_tool
 
 
@@ -89,6 +87,7 @@ def _tolerance(records, r):
     return r * (max(losses) - min(losses)) + 2 * JSON_REL * max(losses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "precision, r",
     [(FP32, FP32_R), (["AMP.MODE", "O1"], BF16_R)],
@@ -123,6 +122,7 @@ def test_ddp_and_fsdp_losses_match_one_process(digits, tmp_path, precision, r):
         assert max(abs(a - b) for a, b in zip(one, other)) <= tol, (one, other)
 
 
+@pytest.mark.slow
 def test_fsdp_o2_matches_one_process_o2(digits, tmp_path):
     # FSDP O2: fp32 shards gathered as bf16, grads reduced in fp32; one process O2:
     # bf16 weights with fp32 master copies. The same updates, rounded alike; with
@@ -166,6 +166,7 @@ def _keep(src, dst, names):
         )
 
 
+@pytest.mark.slow
 def test_sharded_checkpoints_resume_at_any_world_size(digits, tmp_path):
     common = [
         "OPTIM.MAX_EPOCH", "2", "TRAIN.CHECKPOINT_ITER_PERIOD", "5",
@@ -361,6 +362,7 @@ def test_the_launchers_world_size_wins_over_num_gpus(caplog):
         launch._match_world_size(cfg, 2)
 
 
+@pytest.mark.slow
 def test_torchrun_trains_a_config_that_says_num_gpus_8(digits, tmp_path):
     # docs/DISTRIBUTED.md's multi-node command (ViT-H-14.yaml says NUM_GPUS 8) at a
     # reduced size: torchrun's 2 processes win over NUM_GPUS, with one log line.
@@ -394,6 +396,7 @@ def _ranks(parent):
     return sorted(kids, key=lambda p: p.create_time())
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_job_naming_it(digits, tmp_path):
     opts = _opts(digits, tmp_path, "NUM_GPUS", "2", "OPTIM.MAX_EPOCH", "50")
     proc = start_tool("train_net.py", "--cfg", DIGITS_CFG, *opts, env=one_thread_env())

@@ -7,7 +7,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow  # make bench-gpu's script, every phase
 
 
 def test_gpu_node_script_runs_every_phase(tmp_path):

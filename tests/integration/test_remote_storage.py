@@ -19,6 +19,8 @@ from pycls_fast.checkpoint import files, sharded
 from pycls_fast.datasets.formats.synthetic import make_image_folder
 from tests.helpers import ROOT, TINY, start_tool
 
+pytestmark = pytest.mark.slow  # an S3 server, runs killed and resumed
+
 pytest.importorskip("moto.server", reason="moto[server] is a test dependency")
 s3fs = pytest.importorskip("s3fs", reason="s3fs is a test dependency")
 

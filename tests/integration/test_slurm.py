@@ -21,6 +21,8 @@ import torch
 from pycls_fast.checkpoint import files
 from tests.helpers import DIGITS_CFG, ROOT, digits_opts, run_tool, start_tool
 
+pytestmark = pytest.mark.slow  # a SLURM cluster on this host, jobs of 2 ranks
+
 CLUSTER = os.path.join(ROOT, "tests", "slurm", "cluster.sh")
 
 
