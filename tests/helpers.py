@@ -355,3 +355,25 @@ def wait_for_iterations(out_dir, count: int, procs=(), timeout: float = 120):
             return None
         time.sleep(0.1)
     raise AssertionError(f"no {count} iterations logged in {timeout} s")
+
+
+def shm_held(pids: Sequence[int] | None = None) -> set[str]:
+    """The /dev/shm entries that the processes `pids` (default: every process this
+    one may read) map or hold open. Tests run side by side (`make test`'s two
+    workers) make and drop entries of their own in /dev/shm meanwhile: a test asks
+    which entries its own processes hold, not what the folder lists."""
+    held = set()
+    if pids is None:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                held.update(line.split("/dev/shm/", 1)[1].split(" ")[0].strip()
+                            for line in f if "/dev/shm/" in line)  # fmt: skip
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    held.add(target[len("/dev/shm/") :].split(" ")[0])
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return held

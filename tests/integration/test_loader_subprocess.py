@@ -16,6 +16,7 @@ from tests.helpers import (
     ROOT,
     digits_opts,
     one_thread_env,
+    shm_held,
     tool_command,
     wait_for_iterations,
 )
@@ -83,18 +84,7 @@ def test_group_sigterm_checkpoints_and_resumes_to_the_threads_weights(digits, tm
 
 def _held_by_nobody(names):
     """Those of /dev/shm's `names` that no live process maps or holds open."""
-    held = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                held.update(line.split("/dev/shm/", 1)[1].split(" ")[0].strip()
-                            for line in f if "/dev/shm/" in line)  # fmt: skip
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    held.add(target[len("/dev/shm/") :].split(" ")[0])
-        except OSError:  # the process ended, or is not ours to read
-            continue
+    held = shm_held()
     return {n for n in names if n not in held}
 
 
