@@ -29,7 +29,7 @@ $(DEV_STAMP): $(STAMP) requirements.lock
 	touch $(DEV_STAMP)
 
 # The developer's suite: lint, then every test not marked slow (unit and
-# integration; about 18 minutes on 2 cores, within its 25-minute budget). The slow
+# integration; about 15 minutes on 2 cores, within its 25-minute budget). The slow
 # scenario tests (SLURM cluster, S3 server, multi-process resharding, kills and
 # resumes, exports; docs/RELIABILITY.md, "The slow scenario tests") are
 # `make test-slow`; `make test-all` (what CI runs) is both. The summary lists the
@@ -43,7 +43,7 @@ PYTEST_SUITE = $(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadf
 test: setup-dev lint
 	$(PYTEST_SUITE) -m "not slow"
 
-# The slow scenario tests alone (about 16 minutes on 2 cores). SLURM (for the
+# The slow scenario tests alone (about 13 minutes on 2 cores). SLURM (for the
 # cluster tests, tests/slurm/cluster.sh) is installed when missing and this is root
 # with apt-get; otherwise those tests skip and say why (under CI=true they fail).
 test-slow: setup-dev slurm
