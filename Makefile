@@ -138,7 +138,6 @@ MUTANTS ?= 6
 mutation: setup
 	$(PY) tools/mutation.py --per-module $(MUTANTS)
 
-
 # Checks a new node: devices, AMP modes, DDP vs FSDP, all-reduce, matmul peaks, loader.
 check-node: setup
 	$(PY) tools/check_node.py

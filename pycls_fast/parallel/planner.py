@@ -273,13 +273,9 @@ def rank_memory(cfg: CfgNode, c: Candidate, pp_rank: int, tensors=None) -> dict:
     return _stage_memory(cfg, c, pp_rank, bounds, _by_stage(tensors, bounds))
 
 
-def _float8_tensor(cfg, name: str) -> bool:
-    """Whether AMP.FP8 makes `name` a parameter of a float8 linear layer."""
-    return bool(cfg.AMP.FP8) and _float8_param(name)
-
-
 @functools.cache
 def _float8_param(name: str) -> bool:
+    """Whether `name` is a parameter of a layer that AMP.FP8 makes float8."""
     return is_float8_layer(name.rsplit(".", 1)[0])
 
 
