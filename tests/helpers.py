@@ -370,10 +370,14 @@ def shm_held(pids: Sequence[int] | None = None) -> set[str]:
             with open(f"/proc/{pid}/maps") as f:
                 held.update(line.split("/dev/shm/", 1)[1].split(" ")[0].strip()
                             for line in f if "/dev/shm/" in line)  # fmt: skip
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    held.add(target[len("/dev/shm/") :].split(" ")[0])
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:  # the process ended, or is not ours to read
             continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed since the listing (listdir's own fd, for one)
+                continue
+            if target.startswith("/dev/shm/"):
+                held.add(target[len("/dev/shm/") :].split(" ")[0])
     return held
