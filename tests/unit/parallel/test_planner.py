@@ -8,6 +8,7 @@ import torch
 from pycls_fast.config import load_cfg, with_overrides
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
+from pycls_fast.parallel.pipeline import split_model
 from pycls_fast.parallel.planner import (
     GIB,
     HALF_TOKENS,
@@ -19,6 +20,7 @@ from pycls_fast.parallel.planner import (
     per_rank_memory,
     plan,
     predicted_speed,
+    rank_memory,
 )
 from tests.helpers import tiny_cfg
 
@@ -35,6 +37,24 @@ def test_fsdp_shards_the_state_and_checkpointing_the_activations():
     assert ddp["activations"] == fsdp["activations"]
     half = per_rank_memory(cfg, Candidate(dp=8))["activations"]
     assert half * 2 == ddp["activations"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_each_pipeline_rank_counts_the_parameters_its_stages_hold(schedule):
+    """fp32 weights, no FSDP: a pipeline rank's planned weights are 4 bytes for each
+    parameter of the stages split_model gives it (the stem and positions on the
+    first stage, the final norm and the head on the last)."""
+    cfg = tiny_cfg(
+        "TRAIN.BATCH_SIZE", "64", "VIT.NUM_LAYERS", "4", "AMP.MODE", "fp32",
+        "NUM_GPUS", "2", "PARALLEL.PP", "2", "PARALLEL.PP_SCHEDULE", schedule,
+        "PARALLEL.PP_MICROBATCHES", "4", "MODEL.NUM_CLASSES", "1000",
+    )  # fmt: skip
+    c = Candidate(pp=2, micro=4)
+    for rank in range(2):
+        with torch.device("meta"):
+            stages = split_model(build_model(cfg), cfg, rank)
+        numel = sum(p.numel() for _, m in stages for p in m.parameters())
+        assert rank_memory(cfg, c, rank)["params"] == 4 * numel
 
 
 def test_tensor_and_pipeline_parallelism_split_the_blocks():
