@@ -21,13 +21,22 @@ interleaved rounds (every recipe x mode once per round; medians over rounds):
 - loader img/s: images the loader delivered over the cell's wall time.
 
 Modes: 'none', 'threads', 'spdl', 'subprocess' (DATA_LOADER.MODE) and 'processes'
-(torch's DataLoader). Recipes: the train data keys of a shipped config (see RECIPES).
+(torch's DataLoader), and the control 'busy': a child process decoding and resizing
+the same JPEGs with Pillow in a loop, handing nothing back. It shares nothing with
+the step but the machine, so it is the floor for any loader in another process: what
+the step loses beside it is the hardware's (cores that share execution units, caches
+or a host), which no loader design removes. Recipes: the train data keys of a shipped
+config (see RECIPES).
 """
 
 import argparse
+import atexit
 import json
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -52,7 +61,19 @@ RECIPE_KEYS = (
     "DATA.CROP_SCALE",
     "DATA.HFLIP",
 )
-MODES = ("none", "threads", "spdl", "subprocess", "processes")
+MODES = ("none", "busy", "threads", "spdl", "subprocess", "processes")
+# Modes whose figures do not depend on the recipe: one row each.
+NO_RECIPE = ("none", "busy")
+# The 'busy' control's child: a loader's decoding without its handoff.
+BUSY_CHILD = """
+import glob, itertools, sys
+from PIL import Image
+paths = sorted(glob.glob(sys.argv[1] + "/train/*/*.JPEG"))
+print("ready", flush=True)
+for path in itertools.cycle(paths):
+    with Image.open(path) as im:
+        im.convert("RGB").resize((int(sys.argv[2]),) * 2, Image.BILINEAR)
+"""
 # Seconds between runs: what a stopped loader was finishing is done before the next.
 SETTLE_S = 0.3
 
@@ -155,11 +176,38 @@ def _switches():
     )
 
 
-class Cell:
-    """One (recipe, mode): its loader (kept across rounds) and its runs."""
+class Busy:
+    """The 'busy' control's child process, stopped (SIGSTOP) between its runs."""
 
-    def __init__(self, loader):
+    def __init__(self, root: str, im_size: int):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", BUSY_CHILD, root, str(im_size)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the busy control's child did not start")
+        self.pause()
+        atexit.register(self.close)  # a stopped child must not outlive the run
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Cell:
+    """One (recipe, mode): its loader or busy control (kept across rounds) and its
+    runs."""
+
+    def __init__(self, loader, busy: Busy | None = None):
         self.loader = loader
+        self.busy = busy
         self.epoch = 0
 
     def _batches(self):
@@ -175,6 +223,8 @@ class Cell:
         # into the next one's. The first batch (the loader's start) is not counted.
         batches = self._batches()
         next(batches, None)
+        if self.busy is not None:
+            self.busy.resume()
         busy0, own0 = machine_busy_seconds(), _own_cpu()
         start = time.perf_counter()
         while time.perf_counter() - start < seconds:
@@ -193,6 +243,8 @@ class Cell:
         wall = time.perf_counter() - start
         own = _own_cpu() - own0
         foreign = (machine_busy_seconds() - busy0 - own) / wall
+        if self.busy is not None:
+            self.busy.pause()
         batches.close()  # stops the threads, workers or subprocess work
         time.sleep(SETTLE_S)
         return {
@@ -202,6 +254,8 @@ class Cell:
             "involuntary": invol / len(walls),
             "img_per_s": images / wall,
             "foreign": max(0.0, foreign),
+            # Cores this process and its children (loader, busy control) used.
+            "own_cores": own / wall,
         }
 
 
@@ -235,20 +289,20 @@ def main():
     cells = {}
     for recipe in recipes:
         for mode in modes:
-            loader = (
-                None
-                if mode == "none"
-                else loader_for(args, recipe, mode, root, classes)
-            )
-            cells[recipe, mode] = Cell(loader)
+            if mode in NO_RECIPE:
+                if recipe == recipes[0]:
+                    busy = Busy(root, args.im_size) if mode == "busy" else None
+                    cells[recipe, mode] = Cell(None, busy)
+            else:
+                cells[recipe, mode] = Cell(
+                    loader_for(args, recipe, mode, root, classes)
+                )
     runs = {key: [] for key in cells}
     total = args.rounds * len(cells) * args.seconds
     print(f"{len(cells)} cells x {args.rounds} rounds x {args.seconds} s: about "
           f"{total / 60:.1f} min", flush=True)  # fmt: skip
     for r in range(args.rounds):
         for key, cell in cells.items():
-            if key[1] == "none" and key[0] != recipes[0]:
-                continue  # the step alone does not depend on the recipe
             best = None
             for _ in range(args.max_tries):
                 run = cell.run(step, args.seconds)
@@ -261,6 +315,8 @@ def main():
     for cell in cells.values():
         if cell.loader is not None and hasattr(cell.loader, "close"):
             cell.loader.close()
+        if cell.busy is not None:
+            cell.busy.close()
     figures = _figures(args, runs, recipes, modes)
     print(_table(args, figures, recipes, modes))
     if args.json:
@@ -273,8 +329,8 @@ def _figures(args, runs, recipes, modes):
     rows = []
     for recipe in recipes:
         for mode in modes:
-            if mode == "none" and recipe != recipes[0]:
-                continue  # one row for the step alone
+            if mode in NO_RECIPE and recipe != recipes[0]:
+                continue  # one row for the step alone, one beside 'busy'
             these = runs[recipe, mode]
             med = {k: statistics.median(r[k] for r in these) for k in these[0]}
             # Per round: this cell's step over the step alone in the same round.
@@ -315,12 +371,13 @@ def _table(args, figures, recipes, modes):
     ]
     for row in figures["rows"]:
         lines.append(
-            f"| {row['recipe'] if row['mode'] != 'none' else '(any)'} | {row['mode']} "
+            f"| {row['recipe'] if row['mode'] not in NO_RECIPE else '(any)'} "
+            f"| {row['mode']} "
             f"| {row['step_ms']:.2f} | {row['slowdown']:.2f}x "
             f"| {row['step_cpu_ms']:.2f} "
             f"| {row['step_ms'] - row['step_cpu_ms']:.2f} | {row['voluntary']:.1f} "
             f"| {row['involuntary']:.1f} | "
-            + (f"{row['img_per_s']:.0f} |" if row["mode"] != "none" else "- |")
+            + (f"{row['img_per_s']:.0f} |" if row["mode"] not in NO_RECIPE else "- |")
         )
     return "\n".join(lines)
 

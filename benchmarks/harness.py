@@ -39,11 +39,19 @@ def descendants_cpu_seconds() -> dict[int, float]:
     found, pending = {}, [os.getpid()]
     while pending:
         pid = pending.pop()
+        # Each thread's own children: a loader that forks from a background
+        # thread (a DataLoader iterated off the main thread) has them there.
+        kids = []
         try:
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                kids = [int(k) for k in f.read().split()]
+            tasks = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    kids += [int(k) for k in f.read().split()]
+            except OSError:
+                continue
         for kid in kids:
             try:
                 with open(f"/proc/{kid}/stat") as f:

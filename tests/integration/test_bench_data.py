@@ -49,18 +49,27 @@ def test_contention_benchmark(tmp_path):
     result = run_benchmark("contention",
         "--gen-dir", str(tmp_path / "data"), "--images", "64", "--im-size", "64",
         "--batch-size", "4", "--rounds", "2", "--seconds", "0.3", "--step-depth", "2",
-        "--recipes", "deit", "--modes", "none,threads,subprocess",
+        "--recipes", "deit", "--modes", "none,busy,threads,subprocess",
         "--max-tries", "1", "--json", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     cells = [(r["recipe"], r["mode"]) for r in rows]
-    assert cells == [("deit", "none"), ("deit", "threads"), ("deit", "subprocess")]
+    assert cells == [
+        ("deit", "none"), ("deit", "busy"), ("deit", "threads"), ("deit", "subprocess")
+    ]  # fmt: skip
     alone = rows[0]
     # The step alone is its own reference, round by round.
     assert alone["slowdown_rounds"] == [1.0, 1.0]
     for row in rows:
         assert row["step_cpu_ms"] > 0 and row["step_ms"] > 0
         assert len(row["slowdown_rounds"]) == 2
-        assert (row["img_per_s"] > 0) == (row["mode"] != "none")
+        assert (row["img_per_s"] > 0) == (row["mode"] not in ("none", "busy"))
     assert "| deit | subprocess |" in result.stdout
+    assert "| (any) | busy |" in result.stdout
+    # The busy control's child ran in its runs and was stopped between them: its
+    # CPU counted as the run's own, not as other jobs' (foreign) load, and it
+    # is gone at the end.
+    busy = rows[1]
+    assert busy["foreign"] < 0.5, busy
+    assert busy["own_cores"] > alone["own_cores"] + 0.2, (busy, alone)
