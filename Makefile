@@ -10,7 +10,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 .PHONY: setup setup-dev test test-slow test-all test-unit test-integration slurm lint format demo sweep-demo \
 	distill-demo \
 	check-node bench bench-dist bench-attention \
-	bench-loader bench-index bench-shards bench-loader-scaling bench-augment \
+	bench-loader bench-index bench-shards bench-loader-scaling bench-augment bench-contention \
 	bench-optimizer bench-progressive bench-infer bench-build-memory mutation \
 	bench-checkpoint bench-gpu gpu-wheels test-kernels test-intel-mkl clean
 
@@ -177,6 +177,13 @@ bench-loader-scaling: setup
 bench-augment: setup
 	mkdir -p out/bench
 	$(PY) -m benchmarks.augment_cost --ops --json out/bench/augment_cost.json
+
+# The loader beside a host-bound step, per mode and recipe (docs/PERFORMANCE.md,
+# "The loader beside the step"; about 5 minutes).
+bench-contention: setup
+	mkdir -p out/bench
+	$(PY) -m benchmarks.contention --rounds 5 --seconds 3 --recipes crop-flip,deit \
+		--json out/bench/contention.json
 
 # The file index on an ImageNet-shaped tree of 1.28M hard links (docs/PERFORMANCE.md).
 bench-index: setup
