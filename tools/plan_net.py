@@ -39,12 +39,21 @@ def main():
         help="run one rank of the config's NUM_GPUS-rank job with fake tensors",
     )
     parser.add_argument("--rank", type=int, default=0, help="the rank --dry-run plays")
+    parser.add_argument(
+        "--peak-ops",
+        action="store_true",
+        help="with --dry-run: the bytes at the step's peak by the op that made them",
+    )
     parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE overrides")
     args = parser.parse_args()
     try:
         args.gpus = [int(g) for g in args.gpus.split(",")]
     except ValueError:
         raise UserError(f"--gpus: comma-separated integers, got {args.gpus}") from None
+    if args.peak_ops and not args.dry_run:
+        raise UserError(
+            "--peak-ops: only with --dry-run (it reports the dry run's peak)"
+        )
     if any(g <= 0 for g in args.gpus) or args.gpu_gib <= 0:
         raise UserError("--gpus and --gpu-gib must be positive")
     for path in args.cfg_file:
@@ -53,7 +62,7 @@ def main():
         if args.dry_run:
             from pycls_fast.engine.dry_run import dry_run, format_report
 
-            report = dry_run(cfg, args.rank)
+            report = dry_run(cfg, args.rank, by_op=args.peak_ops)
             print(format_report(name, args.gpu_gib, report))
             continue
         for gpus in args.gpus:

@@ -29,6 +29,7 @@ same tensors, without CUDA streams), and torch.compile (TRAIN.COMPILE is set to
 off: the compiled code keeps the same tensors alive or fewer).
 """
 
+import collections
 import math
 import time
 import warnings
@@ -86,12 +87,15 @@ class DryRunReport:
     checkpoint: dict[str, int]
     seconds: float
     notes: list[str] = field(default_factory=list)
+    # Bytes live at the step's peak by the op that made them (dry_run(by_op=True)).
+    peak_by_op: dict[str, int] = field(default_factory=dict)
 
 
-def dry_run(cfg: CfgNode, rank: int = 0) -> DryRunReport:
+def dry_run(cfg: CfgNode, rank: int = 0, by_op: bool = False) -> DryRunReport:
     """Builds and steps rank `rank` of a cfg.NUM_GPUS-rank job with fake tensors and
     a fake process group (module docstring). Must run in a process that has no
-    process group yet, once per process; leaves no group behind."""
+    process group yet, once per process; leaves no group behind. `by_op`: also
+    the bytes live at the step's peak by the op that made them."""
     world = cfg.NUM_GPUS
     if not 0 <= rank < world:
         raise UserError(f"--rank {rank}: the job has ranks 0 to {world - 1}")
@@ -131,7 +135,7 @@ def dry_run(cfg: CfgNode, rank: int = 0) -> DryRunReport:
                 "ignore", "Accessing the data pointer of FakeTensor"
             )
             warnings.filterwarnings("ignore", "FSDP2-wrapped module")
-            measured, checkpoint = _build_and_step(run_cfg, layout)
+            measured, checkpoint, peak_by_op = _build_and_step(run_cfg, layout, by_op)
     finally:
         dist.destroy_process_group()
     c = Candidate(
@@ -153,12 +157,13 @@ def dry_run(cfg: CfgNode, rank: int = 0) -> DryRunReport:
         checkpoint,
         time.perf_counter() - start,
         notes,
+        peak_by_op,
     )
 
 
-def _build_and_step(cfg: CfgNode, layout: Layout):
-    """(measured bytes by part, the checkpoint plan) of this rank, under the fake
-    mode and process group."""
+def _build_and_step(cfg: CfgNode, layout: Layout, by_op: bool = False):
+    """(measured bytes by part, the checkpoint plan, the peak's bytes by op) of
+    this rank, under the fake mode and process group."""
     model = _meta_model(cfg)
     # The meta model's parameters become fake CPU tensors (no data, no memory);
     # the initialization is skipped (its values do not change memory).
@@ -179,7 +184,7 @@ def _build_and_step(cfg: CfgNode, layout: Layout):
     _weak_tables()
     train_step(parts, x, y)  # the optimizer creates its state
     state["optimizer"] = _optimizer_bytes(parts.optimizer)
-    tracker = LiveBytes()
+    tracker = LiveBytes(by_op)
     with tracker:
         train_step(parts, x, y)
     measured = {**state, "step": tracker.peak, "total": sum(state.values())}
@@ -188,7 +193,7 @@ def _build_and_step(cfg: CfgNode, layout: Layout):
     # would hide their values); the model's tensors stay fake.
     with unset_fake_temporarily():
         checkpoint = _checkpoint_plan(cfg, parts)
-    return measured, checkpoint
+    return measured, checkpoint, tracker.peak_by_op
 
 
 def _weak_tables() -> None:
@@ -306,11 +311,18 @@ class LiveBytes(TorchDispatchMode):
     work too (benchmarks/build_memory.py; meta ones hold nothing). The same
     accounting as torch's `MemTracker`, without its per-module snapshots."""
 
-    def __init__(self) -> None:
+    def __init__(self, by_op: bool = False) -> None:
+        """`by_op`: also keep `peak_by_op`, the bytes live at the peak by the op
+        that made each tensor (`_op_label`)."""
         super().__init__()
         self.live = self.peak = 0
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
+        self.by_op = by_op
+        self.peak_by_op: dict[str, int] = {}
+        self._op = REGROWN
+        self._label_of: dict[int, str] = {}
+        self._live_by_op: collections.Counter = collections.Counter()
 
     def _holds_memory(self, st: torch.UntypedStorage) -> bool:
         # Under the dry run's fake mode every storage is a meta one (a fake
@@ -326,15 +338,25 @@ class LiveBytes(TorchDispatchMode):
         n = st.nbytes()
         self._sizes[key] = n
         self._refs[key] = weakref.ref(st, lambda _, k=key: self._free(k))
-        self._grow(n)
+        self._label_of[key] = self._op
+        self._grow(n, self._op)
 
     def _free(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
+        n = self._sizes.pop(key, 0)
+        self.live -= n
         self._refs.pop(key, None)
+        label = self._label_of.pop(key, None)
+        if self.by_op and label is not None:
+            self._live_by_op[label] -= n
 
-    def _grow(self, n: int) -> None:
+    def _grow(self, n: int, label: str) -> None:
         self.live += n
-        self.peak = max(self.peak, self.live)
+        if self.by_op:
+            self._live_by_op[label] += n
+        if self.live > self.peak:
+            self.peak = self.live
+            if self.by_op:
+                self.peak_by_op = {k: v for k, v in self._live_by_op.items() if v}
 
     def _resized(self, st: torch.UntypedStorage, before: int) -> None:
         if not self._holds_memory(st):
@@ -342,12 +364,13 @@ class LiveBytes(TorchDispatchMode):
         key = id(st)
         if key in self._sizes and self._refs[key]() is st:
             n = st.nbytes()
-            self._grow(n - self._sizes[key])
+            self._grow(n - self._sizes[key], self._label_of[key])
             self._sizes[key] = n
         elif before == 0 and _active_fake_mode() is self._fake:
             # A storage made before the tracker and freed (FSDP's unsharded
             # parameters and gradients, resized to 0 after the last step) grows
             # back: new bytes of this step, until it is freed again.
+            self._op = REGROWN
             self._add(st)
 
     def __enter__(self):
@@ -377,6 +400,8 @@ class LiveBytes(TorchDispatchMode):
         if func is torch.ops._c10d_functional.wait_tensor.default:
             # Its fake kernel makes a new tensor; the real one returns its input.
             return args[0]
+        if self.by_op:
+            self._op = _op_label(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         # DTensor's sharding propagation runs ops under its own fake mode: not
         # memory of the run.
@@ -388,6 +413,27 @@ class LiveBytes(TorchDispatchMode):
                 if id(st) not in inputs:
                     self._add(st)
         return out
+
+
+# format_report lists the ops that made at least this share of the step's peak.
+PEAK_OP_MIN = 0.005
+
+# The label of storages that FSDP regrows in place (`resize_`): its gathered
+# parameters (and, without mixed precision, gradients), made before the tracker.
+REGROWN = "resize_ (FSDP's gathered parameters)"
+
+
+def _op_label(func, args, kwargs) -> str:
+    """What made a tensor, for LiveBytes.peak_by_op: the aten op, with the
+    dtypes of a cast (a weight's cast by autocast, a gradient's back to fp32)
+    and the dimensions of its input, and whether autograd's backward ran it."""
+    label = func.overloadpacket.__name__
+    if label == "_to_copy" and args and isinstance(args[0], torch.Tensor):
+        src, dst = args[0].dtype, kwargs.get("dtype") or args[0].dtype
+        label += f" {args[0].dim()}-d {str(src)[6:]} -> {str(dst)[6:]}"
+    if torch._C._current_graph_task_id() != -1:
+        label += " (backward)"
+    return label
 
 
 def _storages(leaves) -> Iterator[torch.UntypedStorage]:
@@ -528,4 +574,11 @@ def format_report(name: str, gpu_gib: float, r: DryRunReport) -> str:
         f"in {r.checkpoint['items']} items"
     )
     lines += [f"  note: {n}" for n in r.notes]
+    if r.peak_by_op:
+        lines.append("  GiB at the step's peak, by the op that made each tensor:")
+        ranked = sorted(r.peak_by_op.items(), key=lambda kv: -kv[1])
+        shown = [(k, v) for k, v in ranked if v >= PEAK_OP_MIN * r.measured["step"]]
+        lines += [f"  {v / GIB:8.3f}  {k}" for k, v in shown]
+        rest = sum(v for _, v in ranked) - sum(v for _, v in shown)
+        lines.append(f"  {rest / GIB:8.3f}  ({len(ranked) - len(shown)} others)")
     return "\n".join(lines)

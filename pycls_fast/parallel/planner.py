@@ -19,13 +19,18 @@ so a 22B model costs nothing to plan), for the rank that holds the most:
   reduce-scatter's input made from them (in the reduce dtype); with
   TRAIN.ACCUM_STEPS > 1, the whole (TP-local) model's gradients unsharded between
   micro-batches (FSDP2 accumulates them unreduced while gradient sync is off), in
-  the reduce dtype, counted in `grads`; in a pipeline, the whole stage's weights
-  and gradients unsharded (torch's PipelineStage gathers an FSDP stage once for
-  all its micro-batches and reduces after the last);
+  the reduce dtype, counted in `grads`; in a pipeline, the rank's stages'
+  gradients unsharded in the reduce dtype (torch's PipelineStage reduces after
+  the last micro-batch) and, at the larger of two moments, either the end of a
+  forward (two blocks' weights gathered, and under the interleaved schedule the
+  rank's other stage's, left gathered by its backward) or the last backward
+  (every stage's weights gathered, one micro-batch's activations);
 - under AMP O1, autocast's cache of the half-precision casts of the Linear and
   Conv2d weights, held until the autocast context ends (the forward; a pipeline's
   whole step): a half copy of the rank's TP-local stage weights, FSDP or not
-  (measured by engine/dry_run.py); in a pipeline without FSDP (the cache on),
+  (measured by engine/dry_run.py); under FSDP the cache is off and, in a
+  pipeline, each (micro-batch, stage) forward in flight keeps its own casts of
+  the stage's weights for its backward; in a pipeline without FSDP (the cache on),
   also the casts' half-precision gradients, which autograd holds to the end of
   each later micro-batch's backward (the cached casts' nodes are the oldest: run
   last), beyond what that micro-batch's freed activations make room for;
@@ -77,7 +82,7 @@ from pycls_fast.config import get_cfg, with_overrides
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
 from pycls_fast.models.attention import resolve_kernel
-from pycls_fast.parallel.pipeline import stage_bounds, stages_per_rank
+from pycls_fast.parallel.pipeline import stage_bounds
 from pycls_fast.parallel.tensor_parallel import (
     COLUMN_SPLIT,
     ROW_SPLIT,
@@ -232,11 +237,17 @@ def per_rank_memory(cfg: CfgNode, c: Candidate, tensors=None) -> dict[str, int]:
     total) on the rank of candidate `c` that holds the most, training `cfg`.
     `tensors`: the model's `_param_tensors` when already listed."""
     tensors = tensors or _param_tensors(cfg)
-    per_rank = stages_per_rank(cfg) if c.pp > 1 else 1
-    bounds = stage_bounds(cfg, c.pp * per_rank)
+    bounds = stage_bounds(cfg, c.pp * _stages_per_rank(cfg, c))
     by_stage = _by_stage(tensors, bounds)
     stages = [_stage_memory(cfg, c, r, bounds, by_stage) for r in range(c.pp)]
     return max(stages, key=lambda m: m["total"])
+
+
+def _stages_per_rank(cfg: CfgNode, c: Candidate) -> int:
+    """Pipeline stages per rank of candidate `c`: pipeline.stages_per_rank's rule
+    with the candidate's PP, not cfg.PARALLEL.PP (the planner weighs pipelines
+    for a cfg that has none yet)."""
+    return 2 if c.pp > 1 and cfg.PARALLEL.PP_SCHEDULE == "interleaved" else 1
 
 
 @functools.cache
@@ -268,8 +279,7 @@ def rank_memory(cfg: CfgNode, c: Candidate, pp_rank: int, tensors=None) -> dict:
     """Bytes by part (as `per_rank_memory`) of the ranks of pipeline rank `pp_rank`
     in candidate `c` (tools/plan_net.py --dry-run compares them with a rank's)."""
     tensors = tensors or _param_tensors(cfg)
-    per_rank = stages_per_rank(cfg) if c.pp > 1 else 1
-    bounds = stage_bounds(cfg, c.pp * per_rank)
+    bounds = stage_bounds(cfg, c.pp * _stages_per_rank(cfg, c))
     return _stage_memory(cfg, c, pp_rank, bounds, _by_stage(tensors, bounds))
 
 
@@ -294,14 +304,18 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, by_stage) -> dict[str, i
     out = dict.fromkeys(("params", "grads", "optimizer", "master", "ema"), 0)
     block_numel = stage_numel = autocast_numel = block_cast_numel = 0
     fp8, ema = cfg.AMP.FP8, cfg.OPTIM.EMA_ALPHA
-    on_rank = [t for s in stages for t in by_stage[s]]
-    for name, shape, is_ln, cast in on_rank:
+    # Each of the rank's stages: (numel, float8 numel gathered in 1 byte).
+    per_stage = {s: [0, 0] for s in stages}
+    on_rank = [(s, t) for s in stages for t in by_stage[s]]
+    for stage, (name, shape, is_ln, cast) in on_rank:
         shape = _tp_shape(name, shape, c.tp)
         float8 = bool(fp8) and _float8_param(name)
         cast = cast and not float8
         stage_numel += math.prod(shape)
+        per_stage[stage][0] += math.prod(shape)
         if float8 and fp8_gather and name.endswith(".weight"):
             stage_fp8_numel += math.prod(shape)
+            per_stage[stage][1] += math.prod(shape)
         autocast_numel += math.prod(shape) if cast else 0
         if _block_of(name) == bounds[stages[0]][0]:
             block_numel += math.prod(shape)
@@ -326,26 +340,41 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, by_stage) -> dict[str, i
     out["gathered"] = 0
     if c.fsdp:
         compute_b = half_b if mode in (AmpMode.O2, AmpMode.O3) else 4
+        reduce_b = half_b if mode is AmpMode.O3 else 4
+        # Two blocks' weights (the one running, the one prefetched), float8 ones
+        # in 1 byte.
+        two_blocks = 2 * ((block_numel - block_fp8_numel) * compute_b + block_fp8_numel)
         if c.pp > 1:
-            # torch's PipelineStage keeps an FSDP stage gathered from the first
-            # micro-batch's forward to the last one's backward, and its gradients
-            # unsharded until then (set_reshard_after_backward(False),
-            # set_requires_gradient_sync(False)): the whole stage, twice.
-            # (Float8 weights gathered in 1 byte; their gradients are not float8.)
-            out["gathered"] = int(
-                stage_numel * 2 * compute_b - stage_fp8_numel * (compute_b - 1)
-            )
+            # torch's PipelineStage keeps an FSDP stage's gradients unsharded from
+            # its first backward to its last micro-batch's
+            # (set_requires_gradient_sync(False)), accumulated in the reduce dtype
+            # (fp32 under O1 and O2: _fsdp_param.py to_accumulated_grad_if_needed):
+            # the rank's whole stages. Its weights stay gathered after a backward
+            # (set_reshard_after_backward(False)) until the stage's next forward
+            # reshards them block by block (FSDP.RESHARD_AFTER_FW). Two moments
+            # can be the peak (measured by engine/dry_run.py, `_pipeline_peak`):
+            # the end of a forward, with the most micro-batches in flight, the
+            # forwarding stage's two blocks gathered and, interleaved, the rank's
+            # other stage's weights from its last backward (0.70 GiB of gathered
+            # fp32 weights at ViT-H's interleaved peak, 0.08 under 1F1B); and the
+            # last backward, with every stage's weights gathered and one
+            # micro-batch's activations (ViT-22B with checkpointing: 10.1 GiB
+            # of weights and 10.1 of gradients at its peak). Here the first; the
+            # second after the activations. Of two stages interleaved the
+            # other is taken as the larger (none under GPipe and 1F1B).
+            others = sorted(
+                (n - f8) * compute_b + f8 for n, f8 in per_stage.values()
+            )[1:]  # fmt: skip
+            grads_b = stage_numel * reduce_b
+            all_weights = stage_numel * compute_b - stage_fp8_numel * (compute_b - 1)
+            out["gathered"] = int(grads_b + two_blocks + sum(others))
         else:
-            # Two blocks' weights (the one running, the one prefetched), float8
-            # ones in 1 byte; a block's unsharded gradients (in the compute
-            # dtype) and FSDP2's reduce-scatter input, made from them before they
-            # are freed (in the reduce dtype: fp32 under O1 and O2, half under
-            # O3): both live at once (torch/distributed/fsdp/_fully_shard/
-            # _fsdp_collectives.py foreach_reduce, copy-in then
-            # `unsharded_grads.clear()`).
-            reduce_b = half_b if mode is AmpMode.O3 else 4
-            gathered = (block_numel - block_fp8_numel) * compute_b + block_fp8_numel
-            out["gathered"] = int(2 * gathered + block_numel * (compute_b + reduce_b))
+            # A block's unsharded gradients (in the compute dtype) and FSDP2's
+            # reduce-scatter input, made from them before they are freed (in the
+            # reduce dtype: fp32 under O1 and O2, half under O3): both live at
+            # once (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py
+            # foreach_reduce, copy-in then `unsharded_grads.clear()`).
+            out["gathered"] = int(two_blocks + block_numel * (compute_b + reduce_b))
             if cfg.TRAIN.ACCUM_STEPS > 1:
                 # Between micro-batches the gradient reduction is off
                 # (set_requires_gradient_sync(False)): FSDP2 keeps every
@@ -363,6 +392,7 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, by_stage) -> dict[str, i
     if c.fsdp and c.checkpoint:
         cast_numel = block_cast_numel
     out["autocast"] = cast_numel * half_b if mode is AmpMode.O1 else 0
+    fp8_casts = 0
     images = cfg.TRAIN.BATCH_SIZE // c.dp // cfg.TRAIN.ACCUM_STEPS
     if cfg.AMP.FP8:
         # Float8's casts, counted with autocast's: torchao's eager cast of the
@@ -371,7 +401,8 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, by_stage) -> dict[str, i
         # another and keeps the float8 result: 4 + 4 + 1 bytes an element, at the
         # step's peak (measured by engine/dry_run.py; compiled, the casts fuse).
         tokens = images / (c.micro if c.pp > 1 else 1) * _seq_len(cfg)
-        out["autocast"] += int(9 * tokens * cfg.VIT.MLP_DIM / c.tp)
+        fp8_casts = int(9 * tokens * cfg.VIT.MLP_DIM / c.tp)
+        out["autocast"] += fp8_casts
     layers = sum(bounds[s][1] - bounds[s][0] for s in stages)
     if c.pp > 1:
         m = c.micro
@@ -386,6 +417,20 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, by_stage) -> dict[str, i
             in_flight = interleaved_in_flight(c.pp, len(stages), m, rank)
         images = micro * in_flight
     out["activations"] = activation_bytes(cfg, images, c.checkpoint, c.tp, layers)
+    if mode is AmpMode.O1 and c.pp > 1 and c.fsdp and not c.checkpoint:
+        # Under FSDP autocast's cache is off: each micro-batch's forward through a
+        # stage casts its weights again and keeps the casts for that backward,
+        # one set per (micro-batch, stage) in flight (measured by
+        # engine/dry_run.py: 5 sets of a ViT-H stage's at the interleaved
+        # schedule's peak on the first rank, 2.5 micro-batches through its 2).
+        out["autocast"] += int(cast_numel * half_b * (in_flight - 1))
+    if c.fsdp and c.pp > 1:
+        # One (micro-batch, stage)'s casts: the weight casts of the sets in
+        # flight are one stage's (checkpointed: the recomputed block's, as is).
+        per_set = cast_numel * half_b if mode is AmpMode.O1 and not c.checkpoint else 0
+        casts = out["autocast"] - int(per_set * in_flight) + per_set // len(stages)
+        gathered = grads_b + all_weights
+        out.update(_pipeline_peak(cfg, c, out, stages, bounds, micro, gathered, casts))
     if mode is AmpMode.O1 and c.pp > 1 and not c.fsdp:
         # With autocast's cache on (not under FSDP), the casts are cached for the
         # whole step: made in the first micro-batch's forward, their autograd
@@ -399,6 +444,22 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, by_stage) -> dict[str, i
         out["autocast"] += int(max(0, out["autocast"] - one_micro))
     out["total"] = sum(out.values())
     return out
+
+
+def _pipeline_peak(
+    cfg, c, fwd, stages, bounds, micro, gathered, casts
+) -> dict[str, int]:
+    """The parts of an FSDP pipeline rank during its last backward, when they hold
+    more than `fwd` (those at a forward's end, as `_stage_memory` counts them),
+    else {}: `gathered` (every stage's weights and gradients unsharded), one
+    micro-batch's activations through its largest stage, and its `casts`."""
+    layers = max(bounds[s][1] - bounds[s][0] for s in stages)
+    bwd = {
+        "gathered": int(gathered),
+        "activations": activation_bytes(cfg, micro, c.checkpoint, c.tp, layers),
+        "autocast": int(casts),
+    }
+    return bwd if sum(bwd.values()) > sum(fwd[k] for k in bwd) else {}
 
 
 def interleaved_in_flight(pp: int, v: int, m: int, rank: int) -> float:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from pycls_fast.config import load_cfg
 from pycls_fast.engine.dry_run import (
+    REGROWN,
     LiveBytes,
     _fake_mode,
     _weak_tables,
@@ -38,7 +39,7 @@ def _ratio(stdout: str) -> float:
 def test_dry_run_rank_state_matches_planner():
     rank = 0  # the first stage (the last one: the command's test below)
     cfg = load_cfg(CFG, [*SMALL, *LAYOUT])
-    report = dry_run(cfg, rank)
+    report = dry_run(cfg, rank, by_op=True)
     assert not dist.is_initialized()  # the fake group is gone
     assert report.coords == (0, 0, 0)
     m, p = report.measured, report.predicted
@@ -54,8 +55,15 @@ def test_dry_run_rank_state_matches_planner():
     # optimizer state, plus a 4-byte step count per parameter tensor (AdamW's).
     extra = report.checkpoint["bytes"] - (m["params"] + m["ema"] + m["optimizer"])
     assert 0 <= extra <= 8 * report.checkpoint["items"]
+    # The peak by op: every byte of it, O1's weight casts made in the forward and
+    # the gradients cast back to fp32 in the backward among them.
+    by_op = report.peak_by_op
+    assert sum(by_op.values()) == m["step"]
+    assert by_op["_to_copy 2-d float32 -> bfloat16"] > 0
+    assert by_op["_to_copy 2-d bfloat16 -> float32 (backward)"] > 0
     text = format_report("tiny", 80, report)
     assert f"dry run of rank {rank} of 8" in text and "fits in 90% of 80 GiB" in text
+    assert "at the step's peak, by the op that made each tensor" in text
     with pytest.raises(UserError, match="one dry run per process"):
         dry_run(cfg, 1)
 
@@ -82,7 +90,7 @@ def test_live_bytes_follows_regrown_storages_and_skips_meta_ones():
     building on the meta device) holds nothing."""
     weight = torch.zeros(1000)
     weight.untyped_storage().resize_(0)  # freed at the last step
-    meter = LiveBytes()
+    meter = LiveBytes(by_op=True)
     with meter:
         weight.untyped_storage().resize_(4000)  # gathered
         assert meter.live == 4000
@@ -90,6 +98,21 @@ def test_live_bytes_follows_regrown_storages_and_skips_meta_ones():
         assert meter.live == 0 and meter.peak == 4000
         meta = torch.empty(1000, device="meta")  # noqa: F841
         assert meter.live == 0 and meter.peak == 4000
+        weight.untyped_storage().resize_(8000)  # regrown, larger: a new peak
+    assert meter.peak_by_op == {REGROWN: 8000}
+
+
+def test_live_bytes_by_op_at_the_peak():
+    """by_op: the bytes live at the peak by the op that made them (a cast with its
+    dtypes and dimensions), not those made after it."""
+    meter = LiveBytes(by_op=True)
+    with meter:
+        a = torch.ones(1000)
+        b = a.to(torch.bfloat16)  # noqa: F841 (live at the peak)
+        del a
+        c = torch.zeros(10)  # noqa: F841 (after the peak)
+    assert meter.peak == 6000
+    assert meter.peak_by_op == {"ones": 4000, "_to_copy 1-d float32 -> bfloat16": 2000}
 
 
 def _step_bytes(model, checkpoint):
@@ -129,9 +152,11 @@ def test_plan_net_dry_run_command():
     # stage forwards (4 micro-batches x 2 stages) in flight, 1.5 micro-batches.
     interleaved = ["PARALLEL.PP_SCHEDULE", "interleaved"]
     cmd += ["--rank", "7", *SMALL, *LAYOUT, *interleaved]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([*cmd[:5], "--peak-ops", *cmd[5:]], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "dry run of rank 7 of 8" in out.stdout
+    assert "GiB at the step's peak, by the op that made each tensor:" in out.stdout
     assert "this rank: pp 1, dp 1, tp 1" in out.stdout
     # The kept state (params, EMA, master, optimizer) equals the planner's.
     rows = [ln.split() for ln in out.stdout.splitlines()]
@@ -145,6 +170,13 @@ def test_plan_net_dry_run_command():
         timeout=300,
     )
     assert bad.returncode == 2 and "--rank 8" in bad.stderr
+    no_dry = subprocess.run(
+        [sys.executable, "tools/plan_net.py", "--cfg", CFG, "--peak-ops"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert no_dry.returncode == 2 and "--peak-ops: only with --dry-run" in no_dry.stderr
 
 
 def test_fsdp_accumulation_is_planned_as_the_dry_run_holds():

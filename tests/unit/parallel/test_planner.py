@@ -8,11 +8,13 @@ import torch
 from pycls_fast.config import load_cfg, with_overrides
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
+from pycls_fast.parallel.data_parallel import encoder_blocks
 from pycls_fast.parallel.pipeline import split_model
 from pycls_fast.parallel.planner import (
     GIB,
     HALF_TOKENS,
     Candidate,
+    activation_bytes,
     auto_layout,
     candidates,
     fit_in_one_process,
@@ -252,10 +254,97 @@ def test_pipeline_with_autocast_cache_holds_the_casts_half_gradients():
     under FSDP the cache is off and nothing piles up."""
     o1 = ("TRAIN.MIXED_PRECISION", "True", "AMP.MODE", "O1", "AMP.DTYPE", "bf16")
     cfg = tiny_cfg("TRAIN.BATCH_SIZE", "8", "VIT.NUM_LAYERS", "4", *o1)
-    # Under FSDP without checkpointing every cast is saved for backward: the
-    # stage's casts, and no more.
-    casts = per_rank_memory(cfg, Candidate(pp=2, fsdp=True, micro=4))["autocast"]
+    casts = 2 * _stage_matmul_numel(cfg, 2, 0)  # the first stage's, in bf16
     pp = per_rank_memory(cfg, Candidate(pp=2, checkpoint=True, micro=4))
     one_micro = pp["activations"] / 2  # 1F1B: 2 micro-batches in flight
     assert 0 < one_micro < casts
     assert pp["autocast"] == casts + int(casts - one_micro)
+
+
+def _stage_matmul_numel(cfg, pp: int, rank: int) -> int:
+    """Elements of the Linear and Conv2d parameters (weights and biases: autocast
+    casts both) of pipeline rank `rank`'s stages."""
+    cfg = with_overrides(cfg, {"NUM_GPUS": pp, "PARALLEL.PP": pp})
+    with torch.device("meta"):
+        stages = split_model(build_model(cfg), cfg, rank)
+    return sum(
+        p.numel()
+        for _, stage in stages
+        for m in stage.modules()
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))
+        for p in m.parameters(recurse=False)
+    )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_fsdp_pipeline_casts_per_micro_batch_in_flight(schedule):
+    """O1 under FSDP in a pipeline (autocast's cache off): every (micro-batch,
+    stage) forward in flight keeps its own casts of the stage's weights for its
+    backward; with checkpointing only the recomputed block's are live."""
+    o1 = ("TRAIN.MIXED_PRECISION", "True", "AMP.MODE", "O1", "AMP.DTYPE", "bf16")
+    cfg = tiny_cfg("TRAIN.BATCH_SIZE", "16", "VIT.NUM_LAYERS", "4",
+                   "PARALLEL.PP_SCHEDULE", schedule, *o1)  # fmt: skip
+    casts = 2 * _stage_matmul_numel(cfg, 2, 0)
+    # Micro-batches (through all the rank's stages) in flight on the first rank
+    # at its peak: all 4 under GPipe, PP - rank = 2 under 1F1B, torch's
+    # interleaved warm-up (4 stage forwards) plus one: 5 of 2 stages.
+    in_flight = {"gpipe": 4, "1f1b": 2, "interleaved": 2.5}[schedule]
+    first = rank_memory(cfg, Candidate(pp=2, fsdp=True, micro=4), 0)
+    assert first["autocast"] == int(casts * in_flight)
+    checkpointed = rank_memory(cfg, Candidate(pp=2, fsdp=True, checkpoint=True,
+                                              micro=4), 0)  # fmt: skip
+    assert 0 < checkpointed["autocast"] < casts / 2  # one of the stage's blocks
+
+
+@pytest.mark.parametrize("amp", ["fp32", "O1", "O2", "O3"])
+def test_fsdp_pipeline_gathers_gradients_whole_and_weights_per_schedule(amp):
+    """Under FSDP a pipeline rank keeps all its stages' gradients unsharded until
+    its last backward, in the reduce dtype (fp32 but under O3); its weights are
+    gathered block by block under GPipe and 1F1B (two blocks at a forward's end,
+    the peak) and, interleaved, its other stage stays gathered from its backward."""
+    cfg = tiny_cfg("TRAIN.BATCH_SIZE", "16", "VIT.NUM_LAYERS", "4",
+                   "MODEL.NUM_CLASSES", "10", "FSDP.ENABLED", "True",
+                   *_amp_keys(amp))  # fmt: skip
+    compute_b = {"fp32": 4, "O1": 4, "O2": 2, "O3": 2}[amp]
+    reduce_b = {"fp32": 4, "O1": 4, "O2": 4, "O3": 2}[amp]
+    block = sum(p.numel() for p in encoder_blocks(build_model(cfg))[0].parameters())
+    for schedule in ("1f1b", "interleaved"):
+        cfg_s = with_overrides(cfg, {"PARALLEL.PP_SCHEDULE": schedule})
+        numel = _rank_numel(cfg_s, 2, 0)
+        got = rank_memory(cfg_s, Candidate(pp=2, fsdp=True, micro=4), 0)["gathered"]
+        weights = 2 * block * compute_b
+        if schedule == "interleaved":
+            with torch.device("meta"):
+                cfg_p = with_overrides(cfg_s, {"NUM_GPUS": 2, "PARALLEL.PP": 2})
+                stages = split_model(build_model(cfg_p), cfg_p, 0)
+            sizes = sorted(sum(p.numel() for p in m.parameters()) for _, m in stages)
+            weights += sizes[-1] * compute_b  # the larger of its two stages
+        assert got == numel * reduce_b + weights, schedule
+
+
+def _rank_numel(cfg, pp: int, rank: int) -> int:
+    cfg = with_overrides(cfg, {"NUM_GPUS": pp, "PARALLEL.PP": pp})
+    with torch.device("meta"):
+        stages = split_model(build_model(cfg), cfg, rank)
+    return sum(p.numel() for _, m in stages for p in m.parameters())
+
+
+def _amp_keys(amp: str) -> tuple[str, ...]:
+    if amp == "fp32":
+        return ("TRAIN.MIXED_PRECISION", "False")
+    return ("TRAIN.MIXED_PRECISION", "True", "AMP.MODE", amp, "AMP.DTYPE", "bf16")
+
+
+def test_fsdp_pipeline_peak_in_the_last_backward_when_weights_dominate():
+    """With activation checkpointing (little kept per micro-batch) an FSDP
+    pipeline rank peaks in its last backward: every stage's weights gathered
+    and gradients unsharded, one micro-batch's activations through its stage."""
+    cfg = tiny_cfg("TRAIN.BATCH_SIZE", "8", "VIT.NUM_LAYERS", "8",
+                   "VIT.HIDDEN_DIM", "192", "VIT.MLP_DIM", "768",
+                   "FSDP.ENABLED", "True", "MODEL.NUM_CLASSES", "10")  # fmt: skip
+    numel = _rank_numel(cfg, 2, 0)
+    ckpt = Candidate(pp=2, fsdp=True, checkpoint=True, micro=4)
+    got = rank_memory(cfg, ckpt, 0)
+    assert got["gathered"] == numel * (4 + 4)  # fp32 weights and gradients
+    # One micro-batch (2 images) through the first stage's 4 blocks.
+    assert got["activations"] == activation_bytes(cfg, 2, True, 1, 4)
