@@ -195,6 +195,10 @@ class Busy:
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)
 
+    def cpu_seconds(self) -> float:
+        """The child's CPU seconds so far."""
+        return descendants_cpu_seconds().get(self.proc.pid, 0.0)
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -224,6 +228,7 @@ class Cell:
         batches = self._batches()
         next(batches, None)
         if self.busy is not None:
+            child0 = self.busy.cpu_seconds()
             self.busy.resume()
         busy0, own0 = machine_busy_seconds(), _own_cpu()
         start = time.perf_counter()
@@ -243,8 +248,10 @@ class Cell:
         wall = time.perf_counter() - start
         own = _own_cpu() - own0
         foreign = (machine_busy_seconds() - busy0 - own) / wall
+        child = 0.0
         if self.busy is not None:
             self.busy.pause()
+            child = self.busy.cpu_seconds() - child0
         batches.close()  # stops the threads, workers or subprocess work
         time.sleep(SETTLE_S)
         return {
@@ -256,6 +263,7 @@ class Cell:
             "foreign": max(0.0, foreign),
             # Cores this process and its children (loader, busy control) used.
             "own_cores": own / wall,
+            "busy_cpu_s": child,  # the busy control's child's CPU in the run
         }
 
 

@@ -67,9 +67,8 @@ def test_contention_benchmark(tmp_path):
         assert (row["img_per_s"] > 0) == (row["mode"] not in ("none", "busy"))
     assert "| deit | subprocess |" in result.stdout
     assert "| (any) | busy |" in result.stdout
-    # The busy control's child ran in its runs and was stopped between them: its
-    # CPU counted as the run's own, not as other jobs' (foreign) load, and it
-    # is gone at the end.
+    # The busy control's child ran in its runs (a 0.3 s run on a loaded machine
+    # still gives a runnable process tens of ms), and only the busy cell has one.
     busy = rows[1]
-    assert busy["foreign"] < 0.5, busy
-    assert busy["own_cores"] > alone["own_cores"] + 0.2, (busy, alone)
+    assert busy["busy_cpu_s"] > 0.02, busy
+    assert all(r["busy_cpu_s"] == 0 for r in rows if r["mode"] != "busy")
