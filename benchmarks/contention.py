@@ -334,6 +334,7 @@ def main():
 
 def _figures(args, runs, recipes, modes):
     alone = runs[recipes[0], "none"]
+    floor = runs.get((recipes[0], "busy"))
     rows = []
     for recipe in recipes:
         for mode in modes:
@@ -343,11 +344,19 @@ def _figures(args, runs, recipes, modes):
             med = {k: statistics.median(r[k] for r in these) for k in these[0]}
             # Per round: this cell's step over the step alone in the same round.
             ratios = [r["step_ms"] / a["step_ms"] for r, a in zip(these, alone)]
-            rows.append({
+            row = {
                 "recipe": recipe, "mode": mode, **med,
                 "slowdown": statistics.median(ratios), "slowdown_rounds": ratios,
+                "step_rounds_ms": [r["step_ms"] for r in these],
                 "foreign_max": max(r["foreign"] for r in these),
-            })  # fmt: skip
+            }  # fmt: skip
+            if floor is not None:
+                # Over the busy control in the same round: what this mode costs
+                # the step beyond the machine's own floor (rounds taken minutes
+                # apart on a host that varies compare each to its neighbour).
+                over = [r["step_ms"] / b["step_ms"] for r, b in zip(these, floor)]
+                row["over_busy"] = statistics.median(over)
+            rows.append(row)
     return {"args": vars(args), "versions": _versions(), "rows": rows}
 
 
@@ -373,15 +382,16 @@ def _table(args, figures, recipes, modes):
         f"batch {args.batch_size} at {args.im_size} px; {args.rounds} rounds of "
         f"{args.seconds} s per cell (medians)",
         "",
-        "| recipe | mode | step ms | slowdown | step CPU ms | wait ms | voluntary "
-        "switches / step | involuntary | loader img/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| recipe | mode | step ms | slowdown | over busy | step CPU ms | wait ms | "
+        "voluntary switches / step | involuntary | loader img/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in figures["rows"]:
+        over = f"{row['over_busy']:.2f}x" if "over_busy" in row else "-"
         lines.append(
             f"| {row['recipe'] if row['mode'] not in NO_RECIPE else '(any)'} "
             f"| {row['mode']} "
-            f"| {row['step_ms']:.2f} | {row['slowdown']:.2f}x "
+            f"| {row['step_ms']:.2f} | {row['slowdown']:.2f}x | {over} "
             f"| {row['step_cpu_ms']:.2f} "
             f"| {row['step_ms'] - row['step_cpu_ms']:.2f} | {row['voluntary']:.1f} "
             f"| {row['involuntary']:.1f} | "

@@ -2,6 +2,7 @@
 figures' structure and the counts that do not depend on timing."""
 
 import json
+import statistics
 
 import pytest
 
@@ -72,3 +73,8 @@ def test_contention_benchmark(tmp_path):
     busy = rows[1]
     assert busy["busy_cpu_s"] > 0.02, busy
     assert all(r["busy_cpu_s"] == 0 for r in rows if r["mode"] != "busy")
+    # Each cell over the busy control, round by round: the control over itself 1.
+    assert busy["over_busy"] == 1.0
+    for row in rows:
+        ratios = [r / b for r, b in zip(row["step_rounds_ms"], busy["step_rounds_ms"])]
+        assert row["over_busy"] == pytest.approx(statistics.median(ratios))
