@@ -16,17 +16,23 @@ interleaved rounds (every recipe x mode once per round; medians over rounds):
   ('none': the step alone, its batches cached);
 - step CPU ms: the training thread's own CPU time in the step; wall minus CPU is time
   the thread was ready but not running: waiting for the GIL (or a core);
+- batch wait ms: the loop's wait for each batch (the thread idles before its step
+  when the loader is slower than the step);
 - switches / step: the training thread's voluntary and involuntary context switches
   during the step (/proc/thread-self/status): a GIL wait is a voluntary one;
 - loader img/s: images the loader delivered over the cell's wall time.
 
 Modes: 'none', 'threads', 'spdl', 'subprocess' (DATA_LOADER.MODE) and 'processes'
-(torch's DataLoader), and the control 'busy': a child process decoding and resizing
-the same JPEGs with Pillow in a loop, handing nothing back. It shares nothing with
-the step but the machine, so it is the floor for any loader in another process: what
-the step loses beside it is the hardware's (cores that share execution units, caches
-or a host), which no loader design removes. Recipes: the train data keys of a shipped
-config (see RECIPES).
+(torch's DataLoader), and two controls. 'idle': the step alone after sleeping
+--idle-ms before each step, as a loop whose loader is slower than its step waits (a
+step right after a wait can be slower: docs/PERFORMANCE.md). 'busy': a child
+process running the recipe's loader in 'threads' mode (the same decoding and
+augmentation, the same threads) and dropping its batches, handing nothing back. It
+shares nothing with the step but the machine, so what the step loses beside it is
+the work's and the hardware's (cores that share caches, memory or a host), not a
+loader design's: the floor for any loader in another process, and "over busy" is
+what a mode costs beyond it. Recipes: the train data keys of a shipped config (see
+RECIPES).
 """
 
 import argparse
@@ -37,6 +43,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -61,19 +68,9 @@ RECIPE_KEYS = (
     "DATA.CROP_SCALE",
     "DATA.HFLIP",
 )
-MODES = ("none", "busy", "threads", "spdl", "subprocess", "processes")
+MODES = ("none", "idle", "busy", "threads", "spdl", "subprocess", "processes")
 # Modes whose figures do not depend on the recipe: one row each.
-NO_RECIPE = ("none", "busy")
-# The 'busy' control's child: a loader's decoding without its handoff.
-BUSY_CHILD = """
-import glob, itertools, sys
-from PIL import Image
-paths = sorted(glob.glob(sys.argv[1] + "/train/*/*.JPEG"))
-print("ready", flush=True)
-for path in itertools.cycle(paths):
-    with Image.open(path) as im:
-        im.convert("RGB").resize((int(sys.argv[2]),) * 2, Image.BILINEAR)
-"""
+NO_RECIPE = ("none", "idle")
 # Seconds between runs: what a stopped loader was finishing is done before the next.
 SETTLE_S = 0.3
 
@@ -104,6 +101,13 @@ def _parser():
     )
     p.add_argument("--max-tries", type=int, default=5)
     p.add_argument("--json", default="", help="also write the figures here")
+    p.add_argument(
+        "--idle-ms",
+        type=float,
+        default=25.0,
+        help="the 'idle' control's sleep before each step",
+    )
+    p.add_argument("--busy-child", default="", help=argparse.SUPPRESS)
     return p  # fmt: skip
 
 
@@ -177,11 +181,13 @@ def _switches():
 
 
 class Busy:
-    """The 'busy' control's child process, stopped (SIGSTOP) between its runs."""
+    """The 'busy' control's child process (this module with --busy-child RECIPE),
+    stopped (SIGSTOP) between its runs."""
 
-    def __init__(self, root: str, im_size: int):
+    def __init__(self, argv: list[str], recipe: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", BUSY_CHILD, root, str(im_size)],
+            [sys.executable, "-m", "benchmarks.contention", *argv,
+             "--busy-child", recipe],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         if self.proc.stdout.readline().strip() != "ready":
@@ -209,9 +215,10 @@ class Cell:
     """One (recipe, mode): its loader or busy control (kept across rounds) and its
     runs."""
 
-    def __init__(self, loader, busy: Busy | None = None):
+    def __init__(self, loader, busy: Busy | None = None, idle_s: float = 0.0):
         self.loader = loader
         self.busy = busy
+        self.idle_s = idle_s
         self.epoch = 0
 
     def _batches(self):
@@ -232,8 +239,13 @@ class Cell:
             self.busy.resume()
         busy0, own0 = machine_busy_seconds(), _own_cpu()
         start = time.perf_counter()
+        waits = []
         while time.perf_counter() - start < seconds:
+            t_next = time.perf_counter()
             batch = next(batches, None)
+            if self.idle_s:
+                time.sleep(self.idle_s)  # as if waiting for a slower loader
+            waits.append(time.perf_counter() - t_next)
             if batch is not None:
                 images += len(batch[1])
             del batch
@@ -257,6 +269,9 @@ class Cell:
         return {
             "step_ms": 1e3 * statistics.median(walls),
             "step_cpu_ms": 1e3 * statistics.median(cpus),
+            # The loop's wait for each batch: the training thread idles this long
+            # before each step when the loader is slower than the step.
+            "next_ms": 1e3 * statistics.mean(waits),
             "voluntary": vol / len(walls),
             "involuntary": invol / len(walls),
             "img_per_s": images / wall,
@@ -278,9 +293,33 @@ def _own_cpu():
     return t.user + t.system + sum(_seen_cpu.values())
 
 
+def _busy_child(args) -> None:
+    """The 'busy' control: the recipe's loader in 'threads' mode, its batches
+    dropped, epoch after epoch, until killed."""
+    parent = os.getppid()
+
+    def watch():  # ends with the benchmark, however it ends
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+    root, classes = _data(args)
+    loader = loader_for(args, args.busy_child, "threads", root, classes)
+    print("ready", flush=True)
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        epoch += 1
+        for _ in loader:
+            pass
+
+
 def main():
     args = _parser().parse_args()
     torch.set_num_threads(1)
+    if args.busy_child:
+        return _busy_child(args)
     recipes, modes = args.recipes.split(","), args.modes.split(",")
     for name in recipes:
         if name not in RECIPES:
@@ -299,8 +338,10 @@ def main():
         for mode in modes:
             if mode in NO_RECIPE:
                 if recipe == recipes[0]:
-                    busy = Busy(root, args.im_size) if mode == "busy" else None
-                    cells[recipe, mode] = Cell(None, busy)
+                    idle = args.idle_ms / 1e3 if mode == "idle" else 0.0
+                    cells[recipe, mode] = Cell(None, idle_s=idle)
+            elif mode == "busy":
+                cells[recipe, mode] = Cell(None, Busy(sys.argv[1:], recipe))
             else:
                 cells[recipe, mode] = Cell(
                     loader_for(args, recipe, mode, root, classes)
@@ -334,12 +375,11 @@ def main():
 
 def _figures(args, runs, recipes, modes):
     alone = runs[recipes[0], "none"]
-    floor = runs.get((recipes[0], "busy"))
     rows = []
     for recipe in recipes:
         for mode in modes:
             if mode in NO_RECIPE and recipe != recipes[0]:
-                continue  # one row for the step alone, one beside 'busy'
+                continue  # one row for the step alone
             these = runs[recipe, mode]
             med = {k: statistics.median(r[k] for r in these) for k in these[0]}
             # Per round: this cell's step over the step alone in the same round.
@@ -350,6 +390,7 @@ def _figures(args, runs, recipes, modes):
                 "step_rounds_ms": [r["step_ms"] for r in these],
                 "foreign_max": max(r["foreign"] for r in these),
             }  # fmt: skip
+            floor = runs.get((recipe, "busy"))
             if floor is not None:
                 # Over the busy control in the same round: what this mode costs
                 # the step beyond the machine's own floor (rounds taken minutes
@@ -383,8 +424,8 @@ def _table(args, figures, recipes, modes):
         f"{args.seconds} s per cell (medians)",
         "",
         "| recipe | mode | step ms | slowdown | over busy | step CPU ms | wait ms | "
-        "voluntary switches / step | involuntary | loader img/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "voluntary switches / step | involuntary | loader img/s | batch wait ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in figures["rows"]:
         over = f"{row['over_busy']:.2f}x" if "over_busy" in row else "-"
@@ -395,7 +436,8 @@ def _table(args, figures, recipes, modes):
             f"| {row['step_cpu_ms']:.2f} "
             f"| {row['step_ms'] - row['step_cpu_ms']:.2f} | {row['voluntary']:.1f} "
             f"| {row['involuntary']:.1f} | "
-            + (f"{row['img_per_s']:.0f} |" if row["mode"] not in NO_RECIPE else "- |")
+            + (f"{row['img_per_s']:.0f} |" if row["img_per_s"] else "- |")
+            + f" {row['next_ms']:.2f} |"
         )
     return "\n".join(lines)
 

@@ -50,14 +50,15 @@ def test_contention_benchmark(tmp_path):
     result = run_benchmark("contention",
         "--gen-dir", str(tmp_path / "data"), "--images", "64", "--im-size", "64",
         "--batch-size", "4", "--rounds", "2", "--seconds", "0.3", "--step-depth", "2",
-        "--recipes", "deit", "--modes", "none,busy,threads,subprocess",
+        "--recipes", "deit", "--modes", "none,idle,busy,threads,subprocess",
         "--max-tries", "1", "--json", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     cells = [(r["recipe"], r["mode"]) for r in rows]
     assert cells == [
-        ("deit", "none"), ("deit", "busy"), ("deit", "threads"), ("deit", "subprocess")
+        ("deit", "none"), ("deit", "idle"), ("deit", "busy"), ("deit", "threads"),
+        ("deit", "subprocess"),
     ]  # fmt: skip
     alone = rows[0]
     # The step alone is its own reference, round by round.
@@ -65,12 +66,15 @@ def test_contention_benchmark(tmp_path):
     for row in rows:
         assert row["step_cpu_ms"] > 0 and row["step_ms"] > 0
         assert len(row["slowdown_rounds"]) == 2
-        assert (row["img_per_s"] > 0) == (row["mode"] not in ("none", "busy"))
+        assert (row["img_per_s"] > 0) == (row["mode"] not in ("none", "idle", "busy"))
     assert "| deit | subprocess |" in result.stdout
-    assert "| (any) | busy |" in result.stdout
+    assert "| deit | busy |" in result.stdout
     # The busy control's child ran in its runs (a 0.3 s run on a loaded machine
     # still gives a runnable process tens of ms), and only the busy cell has one.
-    busy = rows[1]
+    # The idle control sleeps --idle-ms (25) before each step: its loop waits that
+    # long for each "batch"; the step alone never waits.
+    assert rows[1]["next_ms"] >= 25 > 1 > alone["next_ms"]
+    busy = rows[2]
     assert busy["busy_cpu_s"] > 0.02, busy
     assert all(r["busy_cpu_s"] == 0 for r in rows if r["mode"] != "busy")
     # Each cell over the busy control, round by round: the control over itself 1.
