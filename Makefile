@@ -183,7 +183,7 @@ bench-augment: setup
 bench-contention: setup
 	mkdir -p out/bench
 	$(PY) -m benchmarks.contention --rounds 5 --seconds 3 --recipes crop-flip,deit \
-		--json out/bench/contention.json
+		--batch-size 2 --json out/bench/contention.json
 
 # The file index on an ImageNet-shaped tree of 1.28M hard links (docs/PERFORMANCE.md).
 bench-index: setup
