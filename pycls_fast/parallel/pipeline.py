@@ -39,10 +39,11 @@ from pycls_fast.models.vit import (
 )
 
 
-def stages_per_rank(cfg: CfgNode) -> int:
-    """Two stages per rank under the interleaved schedule, else one."""
-    interleaved = cfg.PARALLEL.PP_SCHEDULE == "interleaved" and cfg.PARALLEL.PP > 1
-    return 2 if interleaved else 1
+def stages_per_rank(cfg: CfgNode, pp: int | None = None) -> int:
+    """Two stages per rank under the interleaved schedule, else one; `pp`: the
+    pipeline's size when not cfg.PARALLEL.PP (a layout the planner weighs)."""
+    pp = cfg.PARALLEL.PP if pp is None else pp
+    return 2 if cfg.PARALLEL.PP_SCHEDULE == "interleaved" and pp > 1 else 1
 
 
 def _costs(cfg: CfgNode) -> tuple[float, list[float], float]:

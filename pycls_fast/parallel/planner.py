@@ -82,7 +82,7 @@ from pycls_fast.config import get_cfg, with_overrides
 from pycls_fast.errors import UserError
 from pycls_fast.models import build_model
 from pycls_fast.models.attention import resolve_kernel
-from pycls_fast.parallel.pipeline import stage_bounds
+from pycls_fast.parallel.pipeline import stage_bounds, stages_per_rank
 from pycls_fast.parallel.tensor_parallel import (
     COLUMN_SPLIT,
     ROW_SPLIT,
@@ -237,17 +237,10 @@ def per_rank_memory(cfg: CfgNode, c: Candidate, tensors=None) -> dict[str, int]:
     total) on the rank of candidate `c` that holds the most, training `cfg`.
     `tensors`: the model's `_param_tensors` when already listed."""
     tensors = tensors or _param_tensors(cfg)
-    bounds = stage_bounds(cfg, c.pp * _stages_per_rank(cfg, c))
+    bounds = stage_bounds(cfg, c.pp * stages_per_rank(cfg, c.pp))
     by_stage = _by_stage(tensors, bounds)
     stages = [_stage_memory(cfg, c, r, bounds, by_stage) for r in range(c.pp)]
     return max(stages, key=lambda m: m["total"])
-
-
-def _stages_per_rank(cfg: CfgNode, c: Candidate) -> int:
-    """Pipeline stages per rank of candidate `c`: pipeline.stages_per_rank's rule
-    with the candidate's PP, not cfg.PARALLEL.PP (the planner weighs pipelines
-    for a cfg that has none yet)."""
-    return 2 if c.pp > 1 and cfg.PARALLEL.PP_SCHEDULE == "interleaved" else 1
 
 
 @functools.cache
@@ -279,7 +272,7 @@ def rank_memory(cfg: CfgNode, c: Candidate, pp_rank: int, tensors=None) -> dict:
     """Bytes by part (as `per_rank_memory`) of the ranks of pipeline rank `pp_rank`
     in candidate `c` (tools/plan_net.py --dry-run compares them with a rank's)."""
     tensors = tensors or _param_tensors(cfg)
-    bounds = stage_bounds(cfg, c.pp * _stages_per_rank(cfg, c))
+    bounds = stage_bounds(cfg, c.pp * stages_per_rank(cfg, c.pp))
     return _stage_memory(cfg, c, pp_rank, bounds, _by_stage(tensors, bounds))
 
 
