@@ -290,12 +290,12 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, by_stage) -> dict[str, i
     # AMP.FP8 tensorwise under FSDP all-gathers the float8 layers' weights in
     # float8 (1 byte); their matmuls cast per use, nothing for autocast to cache.
     fp8_gather = c.fsdp and cfg.AMP.FP8_RECIPE == "tensorwise"
-    block_fp8_numel = stage_fp8_numel = 0
+    block_fp8_numel = 0
     half_b = torch.finfo(half).bits // 8
     ln_fp32 = cfg.AMP.LAYER_NORM_FP32
     states = optimizer_states(cfg)
     out = dict.fromkeys(("params", "grads", "optimizer", "master", "ema"), 0)
-    block_numel = stage_numel = autocast_numel = block_cast_numel = 0
+    block_numel = autocast_numel = block_cast_numel = 0
     fp8, ema = cfg.AMP.FP8, cfg.OPTIM.EMA_ALPHA
     # Each of the rank's stages: (numel, float8 numel gathered in 1 byte).
     per_stage = {s: [0, 0] for s in stages}
@@ -304,10 +304,8 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, by_stage) -> dict[str, i
         shape = _tp_shape(name, shape, c.tp)
         float8 = bool(fp8) and _float8_param(name)
         cast = cast and not float8
-        stage_numel += math.prod(shape)
         per_stage[stage][0] += math.prod(shape)
         if float8 and fp8_gather and name.endswith(".weight"):
-            stage_fp8_numel += math.prod(shape)
             per_stage[stage][1] += math.prod(shape)
         autocast_numel += math.prod(shape) if cast else 0
         if _block_of(name) == bounds[stages[0]][0]:
@@ -330,6 +328,7 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, by_stage) -> dict[str, i
         out["grads"] += n * opt_b
         out["optimizer"] += states * n * opt_b
         out["ema"] += n * 4 if ema > 0 else 0
+    stage_numel = sum(n for n, _ in per_stage.values())
     out["gathered"] = 0
     if c.fsdp:
         compute_b = half_b if mode in (AmpMode.O2, AmpMode.O3) else 4
@@ -355,12 +354,9 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, by_stage) -> dict[str, i
             # of weights and 10.1 of gradients at its peak). Here the first; the
             # second after the activations. Of two stages interleaved the
             # other is taken as the larger (none under GPipe and 1F1B).
-            others = sorted(
-                (n - f8) * compute_b + f8 for n, f8 in per_stage.values()
-            )[1:]  # fmt: skip
+            weights = sorted((n - f8) * compute_b + f8 for n, f8 in per_stage.values())
             grads_b = stage_numel * reduce_b
-            all_weights = stage_numel * compute_b - stage_fp8_numel * (compute_b - 1)
-            out["gathered"] = int(grads_b + two_blocks + sum(others))
+            out["gathered"] = int(grads_b + two_blocks + sum(weights[1:]))
         else:
             # A block's unsharded gradients (in the compute dtype) and FSDP2's
             # reduce-scatter input, made from them before they are freed (in the
@@ -410,19 +406,19 @@ def _stage_memory(cfg, c: Candidate, rank: int, bounds, by_stage) -> dict[str, i
             in_flight = interleaved_in_flight(c.pp, len(stages), m, rank)
         images = micro * in_flight
     out["activations"] = activation_bytes(cfg, images, c.checkpoint, c.tp, layers)
-    if mode is AmpMode.O1 and c.pp > 1 and c.fsdp and not c.checkpoint:
-        # Under FSDP autocast's cache is off: each micro-batch's forward through a
-        # stage casts its weights again and keeps the casts for that backward,
-        # one set per (micro-batch, stage) in flight (measured by
-        # engine/dry_run.py: 5 sets of a ViT-H stage's at the interleaved
-        # schedule's peak on the first rank, 2.5 micro-batches through its 2).
-        out["autocast"] += int(cast_numel * half_b * (in_flight - 1))
     if c.fsdp and c.pp > 1:
-        # One (micro-batch, stage)'s casts: the weight casts of the sets in
-        # flight are one stage's (checkpointed: the recomputed block's, as is).
+        # O1 under FSDP without checkpointing: autocast's cache is off, so each
+        # micro-batch's forward through a stage casts its weights again and keeps
+        # the casts for that backward, one set per (micro-batch, stage) in flight
+        # (measured by engine/dry_run.py: 5 sets of a ViT-H stage's at the
+        # interleaved schedule's peak on the first rank, 2.5 micro-batches
+        # through its 2); the last backward holds one stage's set. The other
+        # casts (float8's, the recomputed block's) are counted once.
         per_set = cast_numel * half_b if mode is AmpMode.O1 and not c.checkpoint else 0
-        casts = out["autocast"] - int(per_set * in_flight) + per_set // len(stages)
-        gathered = grads_b + all_weights
+        others = out["autocast"] - per_set
+        out["autocast"] = others + int(per_set * in_flight)
+        casts = others + per_set // len(stages)
+        gathered = grads_b + sum(weights)
         out.update(_pipeline_peak(cfg, c, out, stages, bounds, micro, gathered, casts))
     if mode is AmpMode.O1 and c.pp > 1 and not c.fsdp:
         # With autocast's cache on (not under FSDP), the casts are cached for the
