@@ -338,7 +338,8 @@ class LiveBytes(TorchDispatchMode):
         n = st.nbytes()
         self._sizes[key] = n
         self._refs[key] = weakref.ref(st, lambda _, k=key: self._free(k))
-        self._label_of[key] = self._op
+        if self.by_op:
+            self._label_of[key] = self._op
         self._grow(n, self._op)
 
     def _free(self, key: int) -> None:
@@ -364,7 +365,7 @@ class LiveBytes(TorchDispatchMode):
         key = id(st)
         if key in self._sizes and self._refs[key]() is st:
             n = st.nbytes()
-            self._grow(n - self._sizes[key], self._label_of[key])
+            self._grow(n - self._sizes[key], self._label_of.get(key, REGROWN))
             self._sizes[key] = n
         elif before == 0 and _active_fake_mode() is self._fake:
             # A storage made before the tracker and freed (FSDP's unsharded
