@@ -53,9 +53,7 @@ def test_each_pipeline_rank_counts_the_parameters_its_stages_hold(schedule):
     )  # fmt: skip
     c = Candidate(pp=2, micro=4)
     for rank in range(2):
-        with torch.device("meta"):
-            stages = split_model(build_model(cfg), cfg, rank)
-        numel = sum(p.numel() for _, m in stages for p in m.parameters())
+        numel = sum(_numel(m) for m in _rank_stages(cfg, 2, rank))
         assert rank_memory(cfg, c, rank)["params"] == 4 * numel
 
 
@@ -261,15 +259,23 @@ def test_pipeline_with_autocast_cache_holds_the_casts_half_gradients():
     assert pp["autocast"] == casts + int(casts - one_micro)
 
 
+def _rank_stages(cfg, pp: int, rank: int) -> list:
+    """The stage modules split_model gives pipeline rank `rank` of `pp` (meta)."""
+    cfg = with_overrides(cfg, {"NUM_GPUS": pp, "PARALLEL.PP": pp})
+    with torch.device("meta"):
+        return [m for _, m in split_model(build_model(cfg), cfg, rank)]
+
+
+def _numel(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
 def _stage_matmul_numel(cfg, pp: int, rank: int) -> int:
     """Elements of the Linear and Conv2d parameters (weights and biases: autocast
     casts both) of pipeline rank `rank`'s stages."""
-    cfg = with_overrides(cfg, {"NUM_GPUS": pp, "PARALLEL.PP": pp})
-    with torch.device("meta"):
-        stages = split_model(build_model(cfg), cfg, rank)
     return sum(
         p.numel()
-        for _, stage in stages
+        for stage in _rank_stages(cfg, pp, rank)
         for m in stage.modules()
         if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))
         for p in m.parameters(recurse=False)
@@ -310,23 +316,13 @@ def test_fsdp_pipeline_gathers_gradients_whole_and_weights_per_schedule(amp):
     block = sum(p.numel() for p in encoder_blocks(build_model(cfg))[0].parameters())
     for schedule in ("1f1b", "interleaved"):
         cfg_s = with_overrides(cfg, {"PARALLEL.PP_SCHEDULE": schedule})
-        numel = _rank_numel(cfg_s, 2, 0)
+        sizes = sorted(_numel(m) for m in _rank_stages(cfg_s, 2, 0))
+        numel = sum(sizes)
         got = rank_memory(cfg_s, Candidate(pp=2, fsdp=True, micro=4), 0)["gathered"]
         weights = 2 * block * compute_b
         if schedule == "interleaved":
-            with torch.device("meta"):
-                cfg_p = with_overrides(cfg_s, {"NUM_GPUS": 2, "PARALLEL.PP": 2})
-                stages = split_model(build_model(cfg_p), cfg_p, 0)
-            sizes = sorted(sum(p.numel() for p in m.parameters()) for _, m in stages)
             weights += sizes[-1] * compute_b  # the larger of its two stages
         assert got == numel * reduce_b + weights, schedule
-
-
-def _rank_numel(cfg, pp: int, rank: int) -> int:
-    cfg = with_overrides(cfg, {"NUM_GPUS": pp, "PARALLEL.PP": pp})
-    with torch.device("meta"):
-        stages = split_model(build_model(cfg), cfg, rank)
-    return sum(p.numel() for _, m in stages for p in m.parameters())
 
 
 def _amp_keys(amp: str) -> tuple[str, ...]:
@@ -342,7 +338,7 @@ def test_fsdp_pipeline_peak_in_the_last_backward_when_weights_dominate():
     cfg = tiny_cfg("TRAIN.BATCH_SIZE", "8", "VIT.NUM_LAYERS", "8",
                    "VIT.HIDDEN_DIM", "192", "VIT.MLP_DIM", "768",
                    "FSDP.ENABLED", "True", "MODEL.NUM_CLASSES", "10")  # fmt: skip
-    numel = _rank_numel(cfg, 2, 0)
+    numel = sum(_numel(m) for m in _rank_stages(cfg, 2, 0))
     ckpt = Candidate(pp=2, fsdp=True, checkpoint=True, micro=4)
     got = rank_memory(cfg, ckpt, 0)
     assert got["gathered"] == numel * (4 + 4)  # fp32 weights and gradients
