@@ -190,11 +190,12 @@ class TensorOp:
             self.resample = int(resample)
         self.fill = tuple(int(v) for v in fill)
 
-    def __call__(self, img: torch.Tensor, rng: random.Random) -> torch.Tensor:
-        """`img` (uint8 (H, W, 3)) transformed, or `img` itself when the op is
-        skipped."""
+    def draw(self, rng: random.Random) -> tuple | None:
+        """The op's arguments for one image (timm's draws: whether it applies, its
+        magnitude, its level's sign), or None when it is skipped. Geometric ops draw
+        their interpolation afterwards (`draw_resample`)."""
         if self.prob < 1.0 and rng.random() > self.prob:
-            return img
+            return None
         magnitude = self.magnitude
         if self.magnitude_std > 0:
             if math.isinf(self.magnitude_std):
@@ -202,9 +203,20 @@ class TensorOp:
             else:
                 magnitude = rng.gauss(magnitude, self.magnitude_std)
         magnitude = max(0.0, min(magnitude, self.magnitude_max or _LEVEL_DENOM))
-        level_fn, op = OPS[self.name]
-        args = level_fn(magnitude, self.hparams, rng) if level_fn else ()
-        return op(img, *args, self.resample, self.fill, rng)
+        level_fn = OPS[self.name][0]
+        return level_fn(magnitude, self.hparams, rng) if level_fn else ()
+
+    def draw_resample(self, rng: random.Random) -> int:
+        """The interpolation of one call of a geometric op (timm's _interpolation)."""
+        return _interpolation(self.resample, rng)
+
+    def __call__(self, img: torch.Tensor, rng: random.Random) -> torch.Tensor:
+        """`img` (uint8 (H, W, 3)) transformed, or `img` itself when the op is
+        skipped."""
+        args = self.draw(rng)
+        if args is None:
+            return img
+        return OPS[self.name][1](img, *args, self.resample, self.fill, rng)
 
     def __repr__(self) -> str:
         return (

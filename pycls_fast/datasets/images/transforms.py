@@ -38,7 +38,7 @@ from pycls_fast.datasets.images import policies
 from pycls_fast.datasets.images.decode import EncodedImage, crop_resize, to_rgb
 from pycls_fast.errors import ConfigError
 
-BACKENDS = ("tensor", "pil")
+BACKENDS = ("tensor", "pil", "device")
 
 # ImageNet mean in 0-255, timm's fill colour for geometric augmentations.
 _FILL = (124, 116, 104)
@@ -197,8 +197,9 @@ def one_intra_op_thread() -> None:
 class TrainTransform:
     """Random-resized-crop (or DeiT III's simple random crop) + flip (+ 3-Augment,
     colour jitter, AutoAugment / RandAugment / AugMix) to `im_size` x `im_size` RGB;
-    `augment_backend` 'tensor' (torch ops on the crop in the batch row) or 'pil'
-    (the reference: Pillow, timm and torchvision on PIL images)."""
+    `augment_backend` 'tensor' (torch ops on the crop in the batch row), 'pil'
+    (the reference: Pillow, timm and torchvision on PIL images) or 'device' (as
+    'tensor', without TRAIN.AUGMENT: DeviceBatchTransform applies it)."""
 
     def __init__(
         self,
@@ -217,9 +218,13 @@ class TrainTransform:
                 f"TRAIN.AUGMENT_BACKEND {augment_backend!r}: one of {BACKENDS}"
             )
         self.out_size = (im_size, im_size)
-        self.tensor = augment_backend == "tensor"
+        # 'device': TRAIN.AUGMENT runs on the batch (to_device/augment_policy.py),
+        # the rest as with 'tensor'.
+        self.tensor = augment_backend in ("tensor", "device")
         if self.tensor:
             torch.get_num_threads()  # settles this thread's intra-op threads
+        if augment_backend == "device":
+            augment = ""
         self.augment = make_augment(augment, im_size, augment_interpolation)
         if self.tensor and self.augment is not None:
             self.augment = policies.from_timm(self.augment)

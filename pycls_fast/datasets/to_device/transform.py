@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from yacs.config import CfgNode
 
+from pycls_fast.datasets.to_device.augment_policy import DeviceAugment
+
 logger = logging.getLogger(__name__)
 
 # pycls's ImageNet statistics, in RGB order, in [0, 1] units: the defaults of
@@ -243,7 +245,8 @@ def mix_batch(
 class DeviceBatchTransform:
     """Turns a host batch into model inputs and loss targets on `device`.
 
-    Train: uint8 -> device -> PCA lighting (TRAIN.PCA_STD) + normalize in `dtype` ->
+    Train: uint8 -> device -> TRAIN.AUGMENT with TRAIN.AUGMENT_BACKEND device
+    (augment_policy.py) -> PCA lighting (TRAIN.PCA_STD) + normalize in `dtype` ->
     random erasing (TRAIN.RANDOM_ERASE*) -> mixup / cutmix (TRAIN.MIXUP_ALPHA,
     TRAIN.CUTMIX_ALPHA) with label smoothing (TRAIN.LABEL_SMOOTHING). Targets are
     float32 (B, MODEL.NUM_CLASSES) probabilities when any of those three is on, else
@@ -278,6 +281,11 @@ class DeviceBatchTransform:
         self.num_classes = cfg.MODEL.NUM_CLASSES
         self.bgr = cfg.DATA.CHANNEL_ORDER == "bgr"
         self.mean, self.std = tuple(cfg.DATA.MEAN), tuple(cfg.DATA.STD)
+        self.augment = None
+        if train and cfg.TRAIN.AUGMENT and cfg.TRAIN.AUGMENT_BACKEND == "device":
+            self.augment = DeviceAugment(
+                cfg.TRAIN.AUGMENT, cfg.TRAIN.AUGMENT_INTERPOLATION
+            )
         seed = [cfg.RNG_SEED, rank]
         self.rng = np.random.default_rng(seed)
         self.generator = torch.Generator(device=torch.device(device)).manual_seed(
@@ -354,6 +362,10 @@ class DeviceBatchTransform:
         if not self.train:
             inputs = normalize(images, self.mean, self.std, self.dtype)
             return self._ordered(inputs), labels
+        if self.augment is not None:
+            # Drawn from a generator seeded by this transform's numpy one, as the
+            # erasing boxes are: a resume redraws the same.
+            images = self.augment(images, random.Random(int(self.rng.integers(2**63))))
         offsets = None
         if self.pca_std > 0:
             offsets = pca_lighting_offsets(

@@ -1,0 +1,204 @@
+"""TRAIN.AUGMENT on the device (TRAIN.AUGMENT_BACKEND device): timm's RandAugment and
+AutoAugment over the uint8 batch once it is copied, before normalization.
+
+The decoding threads then only crop, resize and flip, the crop + flip path's CPU per
+image, whatever the policy. Here the policy's draws are made per image on the host, in
+timm's order (images/policies.py: op choice, then per op whether it applies, its
+magnitude, its sign, its interpolation), from a `random.Random` the caller seeds; then
+each layer runs each drawn op once over the images that drew it (batch_ops.py:
+Pillow's pixels, no value read back from the device). The draws are a few
+microseconds of Python per image in the training thread; the pixels are the
+device's work.
+
+Ops without a batched form (AugMix's blended chains, Gaussian blur) are refused when
+the policy is built, in one line naming TRAIN.AUGMENT_BACKEND.
+"""
+
+import random
+from collections import defaultdict
+
+import torch
+
+from pycls_fast.datasets.images import geometry_ops, policies
+from pycls_fast.datasets.images.transforms import make_augment
+from pycls_fast.datasets.to_device import batch_ops
+from pycls_fast.errors import ConfigError
+
+# timm's ops with a batched form, by how their draws become batch_ops' parameters.
+_AFFINE = {"ShearX", "ShearY", "TranslateX", "TranslateY", "TranslateXRel"}
+_AFFINE |= {"TranslateYRel"}
+_GEOMETRIC = _AFFINE | {"Rotate"}
+_BLENDS = {
+    "Color": batch_ops.color,
+    "ColorIncreasing": batch_ops.color,
+    "Desaturate": batch_ops.color,
+    "Contrast": batch_ops.contrast,
+    "ContrastIncreasing": batch_ops.contrast,
+    "Brightness": batch_ops.brightness,
+    "BrightnessIncreasing": batch_ops.brightness,
+    "Sharpness": batch_ops.sharpness,
+    "SharpnessIncreasing": batch_ops.sharpness,
+}
+_PLAIN = {
+    "AutoContrast": batch_ops.autocontrast,
+    "Equalize": batch_ops.equalize,
+    "Invert": batch_ops.invert,
+}
+_POINT = {"Posterize", "PosterizeIncreasing", "PosterizeOriginal"}
+_POINT |= {"Solarize", "SolarizeIncreasing", "SolarizeAdd"}
+SUPPORTED = _GEOMETRIC | set(_BLENDS) | set(_PLAIN) | _POINT
+
+
+def _to(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device` (pinned and asynchronous on CUDA:
+    no wait for the device)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _matrix(name: str, value: float, h: int, w: int) -> list[float]:
+    """The AFFINE matrix of timm's shear / translate op at `value`."""
+    if name == "ShearX":
+        return [1.0, value, 0.0, 0.0, 1.0, 0.0]
+    if name == "ShearY":
+        return [1.0, 0.0, 0.0, value, 1.0, 0.0]
+    if name == "TranslateXRel":  # timm: pct x width
+        name, value = "TranslateX", value * w
+    elif name == "TranslateYRel":
+        name, value = "TranslateY", value * h
+    if name == "TranslateX":
+        return [1.0, 0.0, value, 0.0, 1.0, 0.0]
+    return [1.0, 0.0, 0.0, 0.0, 1.0, value]
+
+
+class DeviceAugment:
+    """timm's policy for TRAIN.AUGMENT `augment` (RandAugment or AutoAugment) with
+    geometric ops' `interpolation`, applied to uint8 (B, 3, H, W) batches."""
+
+    def __init__(self, augment: str, interpolation: str = "random") -> None:
+        self.augment = augment
+        self.interpolation = interpolation
+        self._policies = {}
+        self.policy(32)  # refuses unsupported policies now, not at the first batch
+
+    def policy(self, im_size: int):
+        """The tensor policy at `im_size` (AutoAugment's absolute translations scale
+        with it), built once per size."""
+        policy = self._policies.get(im_size)
+        if policy is None:
+            timm_policy = make_augment(self.augment, im_size, self.interpolation)
+            policy = policies.from_timm(timm_policy)
+            refusal = f"TRAIN.AUGMENT {self.augment!r}, TRAIN.AUGMENT_BACKEND device"
+            if isinstance(policy, policies.RandAugment):
+                ops = policy.ops
+            elif isinstance(policy, policies.AutoAugment):
+                ops = [op for sub in policy.policy for op in sub]
+            else:
+                raise ConfigError(
+                    f"{refusal}: AugMix runs on the host only (TRAIN.AUGMENT_BACKEND "
+                    "tensor)"
+                )
+            missing = sorted({op.name for op in ops} - SUPPORTED)
+            if missing:
+                raise ConfigError(
+                    f"{refusal}: no batched form of {', '.join(missing)} (use "
+                    "TRAIN.AUGMENT_BACKEND tensor)"
+                )
+            self._policies[im_size] = policy
+        return policy
+
+    def draw(self, batch_size: int, im_size: int, rng: random.Random) -> list[list]:
+        """Per image, per layer: (op, args, resample) or None (skipped), drawn in
+        timm's order from `rng`."""
+        policy = self.policy(im_size)
+        out = []
+        for _ in range(batch_size):
+            if isinstance(policy, policies.RandAugment):
+                ops = policy.choose(rng)
+            else:
+                ops = rng.choice(policy.policy)
+            layers = []
+            for op in ops:
+                args = op.draw(rng)
+                if args is None:
+                    layers.append(None)
+                    continue
+                resample = op.draw_resample(rng) if op.name in _GEOMETRIC else None
+                layers.append((op, args, resample))
+            out.append(layers)
+        return out
+
+    def __call__(self, images: torch.Tensor, rng: random.Random) -> torch.Tensor:
+        """`images`: uint8 (B, 3, H, W) on any device; returns them augmented (a new
+        tensor when any op applies), each image by its own draws from `rng`."""
+        b, _, h, w = images.shape
+        draws = self.draw(b, w, rng)
+        out = None
+        for layer in range(max((len(d) for d in draws), default=0)):
+            groups = defaultdict(list)
+            for i, layers in enumerate(draws):
+                if layer < len(layers) and layers[layer] is not None:
+                    op, args, resample = layers[layer]
+                    groups[(op.name, resample, op.fill)].append((i, args))
+            for (name, resample, fill), members in groups.items():
+                if out is None:
+                    out = images.clone()
+                _apply(out, name, members, resample, fill)
+        return images if out is None else out
+
+
+def _apply(images, name, members, resample, fill) -> None:
+    """Runs op `name` on the images `members` lists ((index, args) pairs), in place
+    of their rows of `images`."""
+    device = images.device
+    _, _, h, w = images.shape
+    if name == "Rotate":
+        members = _rotate_shortcuts(images, members)
+        if not members:
+            return
+    index = _to([i for i, _ in members], torch.int64, device)
+    values = [args[0] if args else 0.0 for _, args in members]
+    x = images.index_select(0, index)
+    if name in _PLAIN:
+        x = _PLAIN[name](x)
+    elif name in _BLENDS:
+        if name == "Desaturate":  # timm: colour at 1 - factor, within [0, 1]
+            values = [min(1.0, max(0.0, 1.0 - v)) for v in values]
+        x = _BLENDS[name](x, _to(values, torch.float64, device).to(torch.float32))
+    elif name.startswith("Posterize") or name == "SolarizeAdd":
+        op = batch_ops.posterize if name != "SolarizeAdd" else batch_ops.solarize_add
+        x = op(x, _to([int(v) for v in values], torch.int64, device))
+    elif name.startswith("Solarize"):
+        x = batch_ops.solarize(x, _to(values, torch.float64, device))
+    else:
+        if name == "Rotate":
+            matrices = [geometry_ops.rotation_matrix(v, w, h) for v in values]
+        else:
+            matrices = [_matrix(name, v, h, w) for v in values]
+        x = batch_ops.affine(
+            x,
+            _to(matrices, torch.float64, device),
+            resample,
+            _to(list(fill), torch.uint8, device),
+        )
+    images.index_copy_(0, index, x)
+
+
+def _rotate_shortcuts(images, members) -> list:
+    """Pillow's rotate shortcuts (0: a copy, 180: a flip, 90 / 270 of a square: a
+    transpose), done here; returns the members left for the affine warp."""
+    _, _, h, w = images.shape
+    rest = []
+    for i, (degrees,) in members:
+        angle = degrees % 360.0
+        if angle == 0:
+            continue
+        if angle == 180:
+            images[i] = images[i].flip((1, 2))
+        elif angle in (90, 270) and w == h:
+            images[i] = torch.rot90(images[i], 1 if angle == 90 else -1, (1, 2))
+        else:
+            rest.append((i, (degrees,)))
+    return rest
