@@ -13,6 +13,7 @@ from pycls_fast.checkpoint.run_record import check_rerun
 from pycls_fast.config import check_launch
 from pycls_fast.datasets.images.transforms import build_transform
 from pycls_fast.datasets.loader import check_data
+from pycls_fast.datasets.to_device.transform import DeviceBatchTransform
 from pycls_fast.engine.trainer import train_model
 from pycls_fast.errors import Stopped
 from pycls_fast.launch.cli import cfg_from_args, config_parser, run
@@ -35,7 +36,9 @@ def main():
     parser = config_parser("Train a model (logs, checkpoints and plots in OUT_DIR).")
     cfg = cfg_from_args(parser.parse_args())
     check_launch(cfg)  # what to run is refused before what to read
-    build_transform(cfg, train=True)  # TRAIN.AUGMENT checked before OUT_DIR exists
+    # TRAIN.AUGMENT checked before OUT_DIR exists, on the host and on the device.
+    build_transform(cfg, train=True)
+    DeviceBatchTransform(cfg, "cpu")
     check_data(cfg, ("train", "test"))  # once, before any rank starts
     check_rerun(cfg)  # a rerun into OUT_DIR keeps what its checkpoints mean
     results = submit_or_launch(train, cfg)
