@@ -11,7 +11,10 @@ every variant in turn, round after round (`harness.interleave`), with the same d
 in every round. The recipe families: pycls's crop + flip (no augmentation: the direct
 path), pycls's AutoAugment, DeiT's RandAugment (rand-m9-mstd0.5-inc1, bicubic), DeiT
 III's 3-Augment with colour jitter 0.3, AugReg's RandAugment (rand-m15-n2-mmax15-p1.0,
-bilinear); each with TRAIN.AUGMENT_BACKEND pil and tensor.
+bilinear); each with TRAIN.AUGMENT_BACKEND pil and tensor, and (the recipes with a
+TRAIN.AUGMENT policy) device, where the decoding thread only crops and flips and the
+policy's cost moves to the training device: `device_costs` times it there per batch
+(`--device`, `--batch`).
 
 CPU: the thread's CPU clock per image. GIL-held: loader_scaling's ReleasedTimer
 (the file read, JPEG decode, crop copy and resize) extended with the calls of each
@@ -58,7 +61,7 @@ RECIPES = {
         "augment_interpolation": "bilinear",
     },
 }
-BACKENDS = ("pil", "tensor")
+BACKENDS = ("pil", "tensor", "device")
 
 
 def _parser():
@@ -73,6 +76,14 @@ def _parser():
     p.add_argument("--max-others", type=float, default=0.5,
                    help="repeat a call while other jobs took more cores")  # fmt: skip
     p.add_argument("--ops", action="store_true", help="also time each DeiT op")
+    p.add_argument(
+        "--device",
+        default="",
+        help="where TRAIN.AUGMENT_BACKEND device's policies are timed "
+        "(default: cuda when there is one; 'none' skips them)",
+    )
+    p.add_argument("--batch", type=int, default=128,
+                   help="images per batch for the device policies")  # fmt: skip
     p.add_argument("--json", default="", help="also write the figures here")
     return p
 
@@ -216,12 +227,14 @@ def _images(args):
 
 def _variants():
     """{name: (recipe, backend)}: the baseline once (no augmentation: the same direct
-    path under both backends), every other recipe under both."""
+    path under every backend), every other recipe under each backend ('device' only
+    where the recipe has a TRAIN.AUGMENT policy for it to take off the host)."""
     out = {BASELINE: (BASELINE, "tensor")}
     for recipe in RECIPES:
         if recipe != BASELINE:
             for backend in BACKENDS:
-                out[f"{recipe} [{backend}]"] = (recipe, backend)
+                if backend != "device" or "augment" in RECIPES[recipe]:
+                    out[f"{recipe} [{backend}]"] = (recipe, backend)
     return out
 
 
@@ -336,7 +349,68 @@ def op_costs(args, index) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms_per_image"])
 
 
-def _print(results, ops):
+def device_costs(args, index) -> list[dict]:
+    """Per recipe with a TRAIN.AUGMENT policy, that policy on a batch of `--batch`
+    crops on `--device` (TRAIN.AUGMENT_BACKEND device): the training thread's CPU ms
+    per batch (the draws and the kernel launches), the device's ms per batch (CUDA
+    events; on a CPU the thread's own time), and the torch ops launched per batch;
+    medians over `--rounds` batches, each with its own draws."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pycls_fast.datasets.images.transforms import TrainTransform
+    from pycls_fast.datasets.modes.batch import ImageDecoder
+    from pycls_fast.datasets.to_device.augment_policy import DeviceAugment
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    device = torch.device(args.device)
+    decoder = ImageDecoder(index, TrainTransform(args.im_size), args.im_size, seed=0)
+    crops = [decoder.load(i % len(index), 0)[0] for i in range(args.batch)]
+    batch = torch.from_numpy(np.stack(crops)).permute(0, 3, 1, 2).to(device)
+    rows = []
+    for recipe, kw in RECIPES.items():
+        if "augment" not in kw:
+            continue
+        policy = DeviceAugment(kw["augment"], kw.get("augment_interpolation", "random"))
+        for r in range(2):  # warm-up: the kernels' first launches
+            policy(batch, random.Random(r))
+        with _Count() as count:
+            policy(batch, random.Random(2))
+        cpu_ms, device_ms = [], []
+        for r in range(args.rounds):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in "se")
+                start.record()
+            t0 = time.thread_time()
+            policy(batch, random.Random(100 + r))
+            cpu_ms.append(1e3 * (time.thread_time() - t0))
+            if device.type == "cuda":
+                end.record()
+                end.synchronize()
+                device_ms.append(start.elapsed_time(end))
+            else:
+                device_ms.append(cpu_ms[-1])
+        rows.append(
+            {
+                "recipe": recipe,
+                "device": str(device),
+                "batch": args.batch,
+                "thread_cpu_ms": statistics.median(cpu_ms),
+                "device_ms": statistics.median(device_ms),
+                "ops_per_batch": count.ops,
+            }
+        )
+    return rows
+
+
+def _print(results, ops, device_rows=()):
     modes = list(H100_STEP_IMG_PER_S)
     cores = " | ".join(f"cores per H100, {m}" for m in modes)
     print(
@@ -350,6 +424,19 @@ def _print(results, ops):
             f"| {r['recipe']} | {path} | {r['cpu_ms']:.2f} | {r['vs_baseline']:.2f}x | "
             f"{r['gil_ms']:.3f} | {cores} |"
         )
+    if device_rows:
+        print(
+            "\n| recipe (TRAIN.AUGMENT_BACKEND device) | device | batch | training "
+            "thread CPU ms / batch | device ms / batch | device ms / image | torch "
+            "ops / batch |"
+        )
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for r in device_rows:
+            print(
+                f"| {r['recipe']} | {r['device']} | {r['batch']} | "
+                f"{r['thread_cpu_ms']:.1f} | {r['device_ms']:.1f} | "
+                f"{r['device_ms'] / r['batch']:.3f} | {r['ops_per_batch']} |"
+            )
     if ops:
         print("\n| DeiT RandAugment op (m9, bicubic) | ms per call | ms per image |")
         print("|---|---:|---:|")
@@ -374,10 +461,14 @@ def main() -> None:
     with ThreadPoolExecutor(1) as pool:
         results = pool.submit(measure, args, index).result()
         ops = pool.submit(op_costs, args, index).result() if args.ops else []
-    _print(results, ops)
+    if not args.device:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device_rows = device_costs(args, index) if args.device != "none" else []
+    _print(results, ops, device_rows)
     if args.json:
         record = {"images": len(sizes), "mean_size": sizes.mean(0).tolist(),
                   "im_size": args.im_size, "results": results, "ops": ops,
+                  "device_policies": device_rows,
                   "h100_step_img_per_s": H100_STEP_IMG_PER_S}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)

@@ -15,8 +15,11 @@
 #   check_node   the node's health: device, AMP modes' losses (CHECKS)
 #   images       photo-like JPEGs, 10 classes x IMAGES (no class signal: speed only)
 #   real_O3      a real run against its step (benchmarks/real_run.py): loader modes
-#                (REAL_MODES) x recipes (RECIPES: DeiT's) at O3, plus one cell with
-#                CUDA graphs; the slowest cell profiled (trace + operator table)
+#                (REAL_MODES) x recipes (RECIPES: DeiT's, its RandAugment on the
+#                host and on the GPU) at O3, plus one cell with CUDA graphs; the
+#                slowest cell profiled (trace + operator table)
+#   augment      each recipe's per-image CPU, and TRAIN.AUGMENT_BACKEND device's
+#                policies timed on the GPU per batch (benchmarks/augment_cost.py)
 #   real_pycls   the same with pycls's recipe (AutoAugment), PYCLS_MODES
 #   fp8          float8 vs bf16 (benchmarks/fp8.py: ViT-L/16 and ViT-H/14 steps,
 #                ViT-L/16's loss curves; GPUs with fp8 matmuls)
@@ -27,6 +30,7 @@
 #
 # Smaller runs (tests/integration/test_gpu_node.py runs it on a CPU this way): CFG,
 # BATCH (128), STEPS (timed steps per real-run cell, 200), WARMUP (20), IMAGES (320),
+# AUG_IMAGES (128: the augment phase's JPEGs), AUG_SIZE (224: its crops),
 # REAL_MODES ("threads subprocess processes"), PYCLS_MODES ("threads subprocess"; ""
 # skips), O1_MODES ("subprocess"), RECIPES ("deit"), GRAPHS (1: the
 # CUDA graphs cell), CHECKS, LOADER (1: the loader phase), FP8 (1), and for FULL:
@@ -39,10 +43,12 @@ BATCH=${BATCH:-128}
 STEPS=${STEPS:-200}
 WARMUP=${WARMUP:-20}
 IMAGES=${IMAGES:-320}
+AUG_IMAGES=${AUG_IMAGES:-128}
+AUG_SIZE=${AUG_SIZE:-224}
 REAL_MODES=${REAL_MODES:-threads subprocess processes}
 PYCLS_MODES=${PYCLS_MODES-threads subprocess}
 O1_MODES=${O1_MODES:-subprocess}
-RECIPES=${RECIPES:-deit}
+RECIPES=${RECIPES:-deit deit+device}
 GRAPHS=${GRAPHS:-1}
 CHECKS=${CHECKS:-device,amp}
 LOADER=${LOADER:-1}
@@ -104,6 +110,9 @@ if [ -n "$PYCLS_MODES" ]; then
   phase real_pycls 60 $PY -m benchmarks.real_run --amp O3 --modes "$(csv $PYCLS_MODES)" \
     --recipes pycls --profile-steps 0 --out "$OUT_DIR/real_pycls" "${REAL[@]}"
 fi
+phase augment 60 $PY -m benchmarks.augment_cost --root "$OUT_DIR/augment_images" \
+  --images "$AUG_IMAGES" --im-size "$AUG_SIZE" --rounds 2 --gil-rounds 1 --batch "$BATCH" \
+  --json "$OUT_DIR/augment_cost.json"
 if [ "$FP8" = 1 ] && $PY -c "import torch,sys; sys.exit(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)))"; then
   phase fp8 210 $PY -m benchmarks.fp8 --loss-cfgs configs/vit/ViT-L-16.yaml \
     --out-dir "$OUT_DIR/fp8"

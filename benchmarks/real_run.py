@@ -8,7 +8,8 @@ For each AMP mode (one model built once): the step alone on a synthetic batch (a
 `time_net` times it: `step img/s`), then, per (recipe, loader mode) cell, the real
 loop (`train_epoch`: the device prefetcher, meters, EMA, logging) over a real loader
 of --data's train split with the recipe's train transforms (benchmarks/contention.py's
-RECIPES; 'cfg': the --cfg file's own), for --warmup steps and then --steps timed
+RECIPES; 'cfg': the --cfg file's own; 'deit+device': DeiT's with
+TRAIN.AUGMENT_BACKEND device), for --warmup steps and then --steps timed
 ones: `real img/s` and `real / step`. Per cell also: the loader's data-wait
 fraction, and the training thread's CPU time per step and voluntary context
 switches per step (GIL waits).
@@ -43,7 +44,9 @@ def _parser():
     p.add_argument("--data", required=True, help="ImageNet-layout root (train split)")
     p.add_argument("--amp", default="O3", help="AMP modes, comma-separated")
     p.add_argument("--modes", default="threads,subprocess,processes")
-    p.add_argument("--recipes", default="pycls,deit", help=",".join([*RECIPES, "cfg"]))
+    p.add_argument("--recipes", default="pycls,deit",
+                   help=",".join([*RECIPES, "cfg"]) + "; RECIPE+device: its "
+                   "TRAIN.AUGMENT on the device")  # fmt: skip
     p.add_argument("--steps", type=int, default=200, help="timed steps per cell")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps first")
     p.add_argument("--graphs-cell", default="", help="RECIPE:MODE with CUDA graphs")
@@ -62,8 +65,11 @@ def _cfg(args, amp, recipe=None, mode=None, graphs=False):
     over["DATA.INDEX_CACHE"] = False
     over["DATA_LOADER.MAX_BAD_FRAC"] = 0.5  # speed is measured here, not data
     if recipe not in (None, "cfg"):  # 'cfg': the --cfg file's own transforms
-        source = load_cfg(RECIPES[recipe])
+        name, _, backend = recipe.partition("+")  # 'deit+device': its policy there
+        source = load_cfg(RECIPES[name])
         over |= {k: source[k.split(".")[0]][k.split(".")[1]] for k in RECIPE_KEYS}
+        if backend:
+            over["TRAIN.AUGMENT_BACKEND"] = backend
     if mode is not None:
         over["DATA_LOADER.MODE"] = mode
     return with_overrides(cfg, over)
@@ -93,6 +99,7 @@ def real_loop(parts, cfg, args, profile_dir=None):
     """The figures of `train_epoch` over a loader of `cfg`, on `parts`' model."""
     from pycls_fast.datasets.loader import construct_train_loader
     from pycls_fast.datasets.to_device.prefetch import DevicePrefetcher
+    from pycls_fast.datasets.to_device.transform import DeviceBatchTransform
     from pycls_fast.engine.trainer import train_epoch
 
     loader = construct_train_loader(cfg, 0, 1)
@@ -107,7 +114,10 @@ def real_loop(parts, cfg, args, profile_dir=None):
     plan = [order[k * batch : (k + 1) * batch] for k in range(steps)]
     loader = loader.with_plan(plan)
     parts.train_loader = loader
-    parts.train_batches = DevicePrefetcher(loader, parts.train_prep)
+    prep = parts.train_prep
+    if cfg.TRAIN.AUGMENT_BACKEND == "device":  # the cell's policy on the device
+        prep = DeviceBatchTransform(cfg, prep.device, prep.dtype, True)
+    parts.train_batches = DevicePrefetcher(loader, prep)
     marks = {}
 
     def on_iter_end(epoch, done, iters):

@@ -29,7 +29,9 @@ def test_gpu_node_script_runs_every_phase(tmp_path):
         "REAL_MODES": "threads subprocess",
         "PYCLS_MODES": "",  # the same code as real_O3's cells
         "O1_MODES": "subprocess",
-        "RECIPES": "crop-flip",
+        "RECIPES": "crop-flip deit+device",
+        "AUG_IMAGES": "8",
+        "AUG_SIZE": "32",
         "GRAPHS": "0",
         "CHECKS": "device,amp",
         "LOADER": "0",  # tests/integration/test_tools.py runs benchmarks/loader.py
@@ -42,13 +44,17 @@ def test_gpu_node_script_runs_every_phase(tmp_path):
     phases = re.findall(r"gpu_node: (\S+) exit (\d+) in", run.stdout)
     # fp8 needs a GPU with float8 matmuls: not this CPU.
     assert phases == [
-        ("check_node", "0"), ("images", "0"), ("real_O3", "0"), ("real_O1", "0"),
+        ("check_node", "0"), ("images", "0"), ("real_O3", "0"), ("augment", "0"),
+        ("real_O1", "0"),
     ]  # fmt: skip
     # The figures the docs' tables come from.
     o3 = json.loads((out / "real_O3" / "real_run.json").read_text())
     assert [(r["recipe"], r["mode"]) for r in o3["rows"]] == [
         ("crop-flip", "threads"), ("crop-flip", "subprocess"),
+        ("deit+device", "threads"), ("deit+device", "subprocess"),
     ]  # fmt: skip
+    augment = json.loads((out / "augment_cost.json").read_text())
+    assert {r["recipe"] for r in augment["device_policies"]} >= {"DeiT RandAugment"}
     assert (out / "real_O3" / "profile" / "trace.json").stat().st_size > 0
     o1 = json.loads((out / "real_O1" / "real_run.json").read_text())
     assert [(r["amp"], r["mode"]) for r in o1["rows"]] == [("O1", "subprocess")]
@@ -66,7 +72,8 @@ def test_gpu_node_script_skips_what_the_budget_cannot_hold(tmp_path):
     assert run.returncode == 0
     skipped = re.findall(r"gpu_node: (\S+) skipped: ~(\d+) s", run.stdout)
     assert [name for name, _ in skipped] == [
-        "check_node", "images", "real_O3", "real_pycls", "real_O1", "loader",
+        "check_node", "images", "real_O3", "real_pycls", "augment", "real_O1",
+        "loader",
     ]  # fmt: skip
 
 
@@ -86,8 +93,8 @@ def test_gpu_node_script_fails_when_a_phase_fails(tmp_path):
     assert run.returncode == 1
     assert re.findall(r"gpu_node: (\S+) exit (\d+) in", run.stdout) == [
         ("check_node", "1"), ("images", "1"), ("real_O3", "1"), ("real_pycls", "1"),
-        ("real_O1", "1"), ("loader", "1"), ("time_O1", "1"), ("ladder", "3"),
-        ("train_O1", "3"),
+        ("augment", "1"), ("real_O1", "1"), ("loader", "1"), ("time_O1", "1"),
+        ("ladder", "3"), ("train_O1", "3"),
     ]  # fmt: skip
 
 

@@ -141,26 +141,65 @@ class DeviceAugment:
             for i, layers in enumerate(draws):
                 if layer < len(layers) and layers[layer] is not None:
                     op, args, resample = layers[layer]
-                    groups[(op.name, resample, op.fill)].append((i, args))
-            for (name, resample, fill), members in groups.items():
+                    key, args = _group(op.name, args, resample, op.fill, h, w)
+                    if key is not None:
+                        groups[key].append((i, args))
+            for key, members in groups.items():
                 if out is None:
                     out = images.clone()
-                _apply(out, name, members, resample, fill)
+                _run(out, *key, members)
         return images if out is None else out
 
 
-def _apply(images, name, members, resample, fill) -> None:
-    """Runs op `name` on the images `members` lists ((index, args) pairs), in place
-    of their rows of `images`."""
-    device = images.device
+def apply_op(images, name: str, members: list, resample: int, fill) -> None:
+    """Runs timm's op `name` on the rows of `images` (uint8 (B, 3, H, W)) that
+    `members` lists as (index, op arguments) pairs, in place."""
     _, _, h, w = images.shape
+    groups = defaultdict(list)
+    for i, args in members:
+        key, args = _group(name, args, resample, fill, h, w)
+        if key is not None:
+            groups[key].append((i, args))
+    for key, group in groups.items():
+        _run(images, *key, group)
+
+
+def _group(name, args, resample, fill, h, w):
+    """(what runs the op, its arguments): geometric ops become one affine warp per
+    interpolation and fill (one batched warp for all of a layer's rotations, shears
+    and translations), Pillow's rotate shortcuts (0: a copy, None; 180, and 90 / 270
+    of a square: a transpose) stay apart; other ops run by name."""
+    if name not in _GEOMETRIC:
+        return (name, None, fill), args
     if name == "Rotate":
-        members = _rotate_shortcuts(images, members)
-        if not members:
-            return
+        angle = args[0] % 360.0
+        if angle == 0:
+            return None, None
+        if angle == 180 or (angle in (90, 270) and w == h):
+            return ("Transpose", None, fill), (angle,)
+        return ("Affine", resample, fill), geometry_ops.rotation_matrix(args[0], w, h)
+    return ("Affine", resample, fill), _matrix(name, args[0], h, w)
+
+
+def _run(images, name, resample, fill, members) -> None:
+    """Runs `name` (an op, "Affine" with matrices, "Transpose" with angles) on the
+    rows `members` lists ((index, args) pairs) of `images`, in place."""
+    device = images.device
+    if name == "Transpose":
+        for i, (angle,) in members:
+            if angle == 180:
+                images[i] = images[i].flip((1, 2))
+            else:
+                images[i] = torch.rot90(images[i], 1 if angle == 90 else -1, (1, 2))
+        return
     index = _to([i for i, _ in members], torch.int64, device)
-    values = [args[0] if args else 0.0 for _, args in members]
     x = images.index_select(0, index)
+    if name == "Affine":
+        matrices = _to([list(m) for _, m in members], torch.float64, device)
+        fill_t = _to(list(fill), torch.uint8, device)
+        images.index_copy_(0, index, batch_ops.affine(x, matrices, resample, fill_t))
+        return
+    values = [args[0] if args else 0.0 for _, args in members]
     if name in _PLAIN:
         x = _PLAIN[name](x)
     elif name in _BLENDS:
@@ -170,35 +209,6 @@ def _apply(images, name, members, resample, fill) -> None:
     elif name.startswith("Posterize") or name == "SolarizeAdd":
         op = batch_ops.posterize if name != "SolarizeAdd" else batch_ops.solarize_add
         x = op(x, _to([int(v) for v in values], torch.int64, device))
-    elif name.startswith("Solarize"):
-        x = batch_ops.solarize(x, _to(values, torch.float64, device))
     else:
-        if name == "Rotate":
-            matrices = [geometry_ops.rotation_matrix(v, w, h) for v in values]
-        else:
-            matrices = [_matrix(name, v, h, w) for v in values]
-        x = batch_ops.affine(
-            x,
-            _to(matrices, torch.float64, device),
-            resample,
-            _to(list(fill), torch.uint8, device),
-        )
+        x = batch_ops.solarize(x, _to(values, torch.float64, device))
     images.index_copy_(0, index, x)
-
-
-def _rotate_shortcuts(images, members) -> list:
-    """Pillow's rotate shortcuts (0: a copy, 180: a flip, 90 / 270 of a square: a
-    transpose), done here; returns the members left for the affine warp."""
-    _, _, h, w = images.shape
-    rest = []
-    for i, (degrees,) in members:
-        angle = degrees % 360.0
-        if angle == 0:
-            continue
-        if angle == 180:
-            images[i] = images[i].flip((1, 2))
-        elif angle in (90, 270) and w == h:
-            images[i] = torch.rot90(images[i], 1 if angle == 90 else -1, (1, 2))
-        else:
-            rest.append((i, (degrees,)))
-    return rest

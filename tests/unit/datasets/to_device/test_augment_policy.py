@@ -102,7 +102,7 @@ def test_each_op_per_image_equals_timms_pil_op(name, shape, resample):
     # Images 0, 1 and 3 draw the op (2 is left alone), each with its own argument.
     members = [(i, ARGS[name][i]) for i in (0, 1, 3)]
     out = images.clone()
-    augment_policy._apply(out, name, members, resample, FILL)
+    augment_policy.apply_op(out, name, members, resample, FILL)
     for i in range(4):
         want = arr[i]
         if i != 2:
@@ -120,7 +120,7 @@ def test_rotation_shortcuts_are_pillows():
     images = _batch(arr)
     degrees = [0.0, 180.0, 90.0, -90.0]
     out = images.clone()
-    augment_policy._apply(
+    augment_policy.apply_op(
         out, "Rotate", [(i, (d,)) for i, d in enumerate(degrees)], 3, FILL
     )
     for i, d in enumerate(degrees):
@@ -206,7 +206,7 @@ def test_the_batch_ops_read_nothing_back():
     with _Reads() as mode:
         for name in sorted(ARGS):
             out = _batch(arr)
-            augment_policy._apply(out, name, [(0, ARGS[name][0])], 3, FILL)
+            augment_policy.apply_op(out, name, [(0, ARGS[name][0])], 3, FILL)
         device(_batch(arr), random.Random(0))
     assert mode.reads == []
     # The recorder does see a read (the test can fail).
