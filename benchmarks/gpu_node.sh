@@ -15,14 +15,16 @@
 #   check_node   the node's health: device, AMP modes' losses (CHECKS)
 #   images       photo-like JPEGs, 10 classes x IMAGES (no class signal: speed only)
 #   real_O3      a real run against its step (benchmarks/real_run.py): loader modes
-#                (REAL_MODES) x recipes (RECIPES: DeiT's, its RandAugment on the
-#                host and on the GPU) at O3, plus one cell with CUDA graphs; the
-#                slowest cell profiled (trace + operator table)
-#   augment      each recipe's per-image CPU, and TRAIN.AUGMENT_BACKEND device's
-#                policies timed on the GPU per batch (benchmarks/augment_cost.py)
+#                (REAL_MODES) x recipes (RECIPES: DeiT's) at O3, plus EXTRA_CELLS
+#                (DeiT's RandAugment on the GPU: TRAIN.AUGMENT_BACKEND device) and one
+#                cell with CUDA graphs; the slowest cell profiled (trace + operators)
 #   real_pycls   the same with pycls's recipe (AutoAugment), PYCLS_MODES
 #   fp8          float8 vs bf16 (benchmarks/fp8.py: ViT-L/16 and ViT-H/14 steps,
 #                ViT-L/16's loss curves; GPUs with fp8 matmuls)
+#   gpu_tests    tests/integration/test_gpu.py (CUDA copies, the side-stream
+#                prefetcher, the device augmentation against the CPU, no syncs)
+#   augment      each recipe's per-image CPU, and TRAIN.AUGMENT_BACKEND device's
+#                policies timed on the GPU per batch (benchmarks/augment_cost.py)
 #   real_O1      the same as real_O3 at O1, fewer cells (O1_MODES)
 #   loader       the loader alone, per mode, on the node's cores (benchmarks/loader.py)
 #   with FULL=1: time_net in each AMP mode (MODES) and compiled, the distributed
@@ -31,8 +33,8 @@
 # Smaller runs (tests/integration/test_gpu_node.py runs it on a CPU this way): CFG,
 # BATCH (128), STEPS (timed steps per real-run cell, 200), WARMUP (20), IMAGES (320),
 # AUG_IMAGES (128: the augment phase's JPEGs), AUG_SIZE (224: its crops),
-# REAL_MODES ("threads subprocess processes"), PYCLS_MODES ("threads subprocess"; ""
-# skips), O1_MODES ("subprocess"), RECIPES ("deit"), GRAPHS (1: the
+# REAL_MODES ("threads subprocess processes"), EXTRA_CELLS ("deit+device:subprocess";
+# "" none), PYCLS_MODES ("threads subprocess"; "" skips), O1_MODES ("subprocess"), RECIPES ("deit"), GRAPHS (1: the
 # CUDA graphs cell), CHECKS, LOADER (1: the loader phase), FP8 (1), and for FULL:
 # MODES ("fp32 O1 O2 O3"), SECONDS_EACH (30), COMPILE (1), EPOCHS (3), LARGE (256),
 # ROUNDS (3), ITERS (5).
@@ -48,7 +50,8 @@ AUG_SIZE=${AUG_SIZE:-224}
 REAL_MODES=${REAL_MODES:-threads subprocess processes}
 PYCLS_MODES=${PYCLS_MODES-threads subprocess}
 O1_MODES=${O1_MODES:-subprocess}
-RECIPES=${RECIPES:-deit deit+device}
+RECIPES=${RECIPES:-deit}
+EXTRA_CELLS=${EXTRA_CELLS-deit+device:subprocess}
 GRAPHS=${GRAPHS:-1}
 CHECKS=${CHECKS:-device,amp}
 LOADER=${LOADER:-1}
@@ -104,19 +107,23 @@ GRAPHS_CELL=()
 REAL=(--cfg "$CFG" --data "$OUT_DIR/images" --steps "$STEPS" --warmup "$WARMUP"
   NUM_GPUS 1 TRAIN.BATCH_SIZE "$BATCH" MODEL.NUM_CLASSES 10
   DATA_LOADER.NUM_WORKERS "$WORKERS")
-phase real_O3 150 $PY -m benchmarks.real_run --amp O3 --modes "$(csv $REAL_MODES)" \
-  --recipes "$(csv $RECIPES)" "${GRAPHS_CELL[@]}" --out "$OUT_DIR/real_O3" "${REAL[@]}"
+phase real_O3 190 $PY -m benchmarks.real_run --amp O3 --modes "$(csv $REAL_MODES)" \
+  --recipes "$(csv $RECIPES)" --extra-cells "$(csv $EXTRA_CELLS)" "${GRAPHS_CELL[@]}" \
+  --out "$OUT_DIR/real_O3" "${REAL[@]}"
 if [ -n "$PYCLS_MODES" ]; then
   phase real_pycls 60 $PY -m benchmarks.real_run --amp O3 --modes "$(csv $PYCLS_MODES)" \
     --recipes pycls --profile-steps 0 --out "$OUT_DIR/real_pycls" "${REAL[@]}"
 fi
-phase augment 60 $PY -m benchmarks.augment_cost --root "$OUT_DIR/augment_images" \
-  --images "$AUG_IMAGES" --im-size "$AUG_SIZE" --rounds 2 --gil-rounds 1 --batch "$BATCH" \
-  --json "$OUT_DIR/augment_cost.json"
 if [ "$FP8" = 1 ] && $PY -c "import torch,sys; sys.exit(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)))"; then
   phase fp8 210 $PY -m benchmarks.fp8 --loss-cfgs configs/vit/ViT-L-16.yaml \
     --out-dir "$OUT_DIR/fp8"
 fi
+if $PY -c "import pytest, torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  phase gpu_tests 30 $PY -m pytest -q -p no:cacheprovider --gpu tests/integration/test_gpu.py
+fi
+phase augment 40 $PY -m benchmarks.augment_cost --root "$OUT_DIR/augment_images" \
+  --images "$AUG_IMAGES" --im-size "$AUG_SIZE" --rounds 2 --gil-rounds 1 --batch "$BATCH" \
+  --json "$OUT_DIR/augment_cost.json"
 phase real_O1 50 $PY -m benchmarks.real_run --amp O1 --modes "$(csv $O1_MODES)" \
   --recipes deit --profile-steps 0 --out "$OUT_DIR/real_O1" "${REAL[@]}"
 if [ "$LOADER" = 1 ]; then

@@ -13,9 +13,10 @@ TRAIN.AUGMENT_BACKEND device), for --warmup steps and then --steps timed
 ones: `real img/s` and `real / step`. Per cell also: the loader's data-wait
 fraction, and the training thread's CPU time per step and voluntary context
 switches per step (GIL waits).
-`--graphs-cell RECIPE:MODE` adds that cell with TRAIN.CUDA_GRAPHS True at the first
-AMP mode. The slowest cell is then rerun for --profile-steps steps under
-torch.profiler: a trace (chrome JSON) and its operator table in --out.
+`--extra-cells RECIPE:MODE,...` adds those cells at the first AMP mode (e.g.
+`deit+device:subprocess`), `--graphs-cell RECIPE:MODE` one with TRAIN.CUDA_GRAPHS
+True. The slowest cell is then rerun for --profile-steps steps under torch.profiler:
+a trace (chrome JSON) and its operator table in --out.
 
 The table goes to stdout and --out/real_run.md, the figures to --out/real_run.json.
 On a CPU it runs as written (tests/integration/test_bench_real_run.py, tiny); the
@@ -49,6 +50,11 @@ def _parser():
                    "TRAIN.AUGMENT on the device")  # fmt: skip
     p.add_argument("--steps", type=int, default=200, help="timed steps per cell")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps first")
+    p.add_argument(
+        "--extra-cells",
+        default="",
+        help="RECIPE:MODE,... run too, at the first AMP mode",
+    )
     p.add_argument("--graphs-cell", default="", help="RECIPE:MODE with CUDA graphs")
     p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--out", default="out/bench/real_run")
@@ -182,9 +188,13 @@ def main():
             for recipe in args.recipes.split(",")
             for mode in args.modes.split(",")
         ]
+        first_amp = args.amp.split(",")[0]
+        for cell in filter(None, args.extra_cells.split(",")):
+            recipe, mode = cell.split(":")
+            cells.append((first_amp, recipe, mode, False))
         if args.graphs_cell:
             recipe, mode = args.graphs_cell.split(":")
-            cells.append((args.amp.split(",")[0], recipe, mode, True))
+            cells.append((first_amp, recipe, mode, True))
         built = {}
         for amp, recipe, mode, graphs in cells:
             if (amp, graphs) not in built:

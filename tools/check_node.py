@@ -222,7 +222,8 @@ def recipe_name(cfg) -> str:
     if cfg.TRAIN.COLOR_JITTER:
         parts.append(f"colour jitter {cfg.TRAIN.COLOR_JITTER:g}")
     if cfg.TRAIN.AUGMENT:
-        parts.append(cfg.TRAIN.AUGMENT)
+        on_device = cfg.TRAIN.AUGMENT_BACKEND == "device"
+        parts.append(cfg.TRAIN.AUGMENT + (" on the device" if on_device else ""))
     return " + ".join(parts)
 
 
@@ -289,9 +290,18 @@ def check_loader(cfg, cfg_file, steps, memory_gib=None):
             if enough
             else "this recipe's train transform needs more cores per GPU than the "
             "node has: the loader will hold the step back (docs/PERFORMANCE.md, "
-            "'Augmentation cost per recipe')",
+            f"'Augmentation cost per recipe'){_device_hint(cfg)}",
         ),
     ]
+
+
+def _device_hint(cfg) -> str:
+    """The advice to move TRAIN.AUGMENT onto the GPU, where it would help."""
+    if not cfg.TRAIN.AUGMENT or cfg.TRAIN.AUGMENT_BACKEND == "device":
+        return ""
+    if cfg.TRAIN.AUGMENT.startswith("augmix") or not torch.cuda.is_available():
+        return ""
+    return "; TRAIN.AUGMENT_BACKEND device runs TRAIN.AUGMENT on the GPU instead"
 
 
 def print_table(rows):

@@ -35,3 +35,27 @@ def test_prefetcher_on_a_side_stream_matches_the_plain_transform():
     got = list(DevicePrefetcher(_Loader(), DeviceBatchTransform(cfg, "cuda")))
     for (gx, gy), (ex, ey) in zip(got, expected):
         assert torch.equal(gx.cpu(), ex.cpu()) and torch.equal(gy.cpu(), ey.cpu())
+
+
+def test_device_augmentation_on_cuda_equals_the_cpu_and_never_syncs():
+    """TRAIN.AUGMENT_BACKEND device on CUDA: the same pixels as on the CPU (which
+    equal Pillow's: tests/unit/datasets/to_device/test_augment_policy.py), with
+    CUDA's sync debug mode raising at any wait for the device."""
+    import random
+
+    from pycls_fast.datasets.to_device.augment_policy import DeviceAugment
+    from tests.unit.datasets.to_device.test_augment_policy import _batch, _photos
+
+    images = _batch(_photos(32, 40, 48, seed=2))
+    for augment, interpolation in (("rand-m9-mstd0.5-inc1", "bicubic"),
+                                   ("AutoAugment", "random")):  # fmt: skip
+        policy = DeviceAugment(augment, interpolation)
+        want = policy(images, random.Random(7))
+        on_gpu = images.cuda()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = policy(on_gpu, random.Random(7))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got.cpu(), want), augment

@@ -383,3 +383,24 @@ def test_mutation_targets_name_tests_that_exist_and_equivalents_that_exist():
         with open(os.path.join(ROOT, target.path)) as f:
             keys |= {m.key for m in tool.enumerate_mutants(target, f.read())}
     assert set(tool.EQUIVALENT) <= keys, set(tool.EQUIVALENT) - keys
+
+
+def test_check_node_names_where_the_policy_runs_and_when_to_move_it(monkeypatch):
+    spec = importlib.util.spec_from_file_location(
+        "check_node_tool", os.path.join(ROOT, "tools", "check_node.py")
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    host = load_cfg(None, ["TRAIN.AUGMENT", "rand-m9-mstd0.5-inc1"])
+    device = load_cfg(None, ["TRAIN.AUGMENT", "rand-m9-mstd0.5-inc1",
+                             "TRAIN.AUGMENT_BACKEND", "device"])  # fmt: skip
+    assert tool.recipe_name(host) == "crop + flip + rand-m9-mstd0.5-inc1"
+    assert tool.recipe_name(device) == (
+        "crop + flip + rand-m9-mstd0.5-inc1 on the device"
+    )
+    assert tool._device_hint(host) == ""  # no GPU here
+    monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)
+    assert "TRAIN.AUGMENT_BACKEND device" in tool._device_hint(host)
+    assert tool._device_hint(device) == ""
+    augmix = load_cfg(None, ["TRAIN.AUGMENT", "augmix-m5-w4-d2"])
+    assert tool._device_hint(augmix) == ""

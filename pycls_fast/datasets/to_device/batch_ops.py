@@ -141,9 +141,10 @@ def equalize(x: torch.Tensor) -> torch.Tensor:
     // step` from the histogram, step = (pixels - the top value's count) // 255."""
     n, c, h, w = x.shape
     flat = x.reshape(n * c, h * w).to(torch.int64)
-    rows = torch.arange(n * c, device=x.device).view(-1, 1) * 256
-    hist = torch.bincount((flat + rows).view(-1), minlength=n * c * 256)
-    hist = hist.view(n * c, 256)
+    # scatter_add_, not bincount: CUDA's bincount reads its input's max back to the
+    # host to size its output.
+    hist = torch.zeros(n * c, 256, dtype=torch.int64, device=x.device)
+    hist.scatter_add_(1, flat, torch.ones_like(flat))
     top = 255 - (hist > 0).flip(1).to(torch.uint8).argmax(1, keepdim=True)
     step = (h * w - hist.gather(1, top)) // 255
     below = hist.cumsum(1) - hist
