@@ -49,8 +49,10 @@ def _photos(n, h, w, seed=0):
     return np.stack(out)
 
 
-def _batch(arr):
-    return torch.from_numpy(arr).permute(0, 3, 1, 2).contiguous()
+def _batch(arr, channels_last=False):
+    """uint8 (N, 3, H, W); channels-last memory as the loader's batches."""
+    x = torch.from_numpy(arr).permute(0, 3, 1, 2)
+    return x if channels_last else x.contiguous()
 
 
 def _timm_op(name):
@@ -148,7 +150,7 @@ def test_same_draws_same_pixels_as_the_host_policy(augment, interpolation):
     host = policies.from_timm(make_augment(augment, 24, interpolation))
     device = DeviceAugment(augment, interpolation)
     for seed in range(6):
-        got = device(_batch(arr), random.Random(seed))
+        got = device(_batch(arr, channels_last=seed % 2 == 1), random.Random(seed))
         rng = random.Random(seed)
         with mock.patch.multiple(geometry_ops, **PILLOW_WARPS):
             want = [host(torch.from_numpy(a.copy()), rng).numpy() for a in arr]
