@@ -172,8 +172,9 @@ bench-shards: setup
 bench-loader-scaling: setup
 	$(PY) -m benchmarks.loader_scaling
 
-# CPU and GIL-held ms per image of each recipe family, PIL path against tensor path,
-# cores per H100 (docs/PERFORMANCE.md, "Augmentation cost per recipe"); a few minutes.
+# CPU and GIL-held ms per image of each recipe family, PIL path against tensor path
+# and the policy on the device (timed there per batch), cores per H100
+# (docs/PERFORMANCE.md, "Augmentation cost per recipe"); about 2 minutes.
 bench-augment: setup
 	mkdir -p out/bench
 	$(PY) -m benchmarks.augment_cost --ops --json out/bench/augment_cost.json
