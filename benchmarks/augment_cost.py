@@ -11,10 +11,9 @@ every variant in turn, round after round (`harness.interleave`), with the same d
 in every round. The recipe families: pycls's crop + flip (no augmentation: the direct
 path), pycls's AutoAugment, DeiT's RandAugment (rand-m9-mstd0.5-inc1, bicubic), DeiT
 III's 3-Augment with colour jitter 0.3, AugReg's RandAugment (rand-m15-n2-mmax15-p1.0,
-bilinear); each with TRAIN.AUGMENT_BACKEND pil and tensor, and (the recipes with a
-TRAIN.AUGMENT policy) device, where the decoding thread only crops and flips and the
-policy's cost moves to the training device: `device_costs` times it there per batch
-(`--device`, `--batch`).
+bilinear); each with TRAIN.AUGMENT_BACKEND pil, tensor and device, where the
+decoding thread only crops and flips and the augmentations' cost moves to the
+training device: `device_costs` times them there per batch (`--device`, `--batch`).
 
 CPU: the thread's CPU clock per image. GIL-held: loader_scaling's ReleasedTimer
 (the file read, JPEG decode, crop copy and resize) extended with the calls of each
@@ -227,14 +226,12 @@ def _images(args):
 
 def _variants():
     """{name: (recipe, backend)}: the baseline once (no augmentation: the same direct
-    path under every backend), every other recipe under each backend ('device' only
-    where the recipe has a TRAIN.AUGMENT policy for it to take off the host)."""
+    path under every backend), every other recipe under each backend."""
     out = {BASELINE: (BASELINE, "tensor")}
     for recipe in RECIPES:
         if recipe != BASELINE:
             for backend in BACKENDS:
-                if backend != "device" or "augment" in RECIPES[recipe]:
-                    out[f"{recipe} [{backend}]"] = (recipe, backend)
+                out[f"{recipe} [{backend}]"] = (recipe, backend)
     return out
 
 
@@ -350,8 +347,8 @@ def op_costs(args, index) -> list[dict]:
 
 
 def device_costs(args, index) -> list[dict]:
-    """Per recipe with a TRAIN.AUGMENT policy, that policy on a batch of `--batch`
-    crops on `--device` (TRAIN.AUGMENT_BACKEND device): the training thread's CPU ms
+    """Per recipe with augmentations, those on a batch of `--batch` crops on
+    `--device` (TRAIN.AUGMENT_BACKEND device): the training thread's CPU ms
     per batch (the draws and the kernel launches), the device's ms per batch (CUDA
     events; on a CPU the thread's own time), and the torch ops launched per batch;
     medians over `--rounds` batches, each with its own draws."""
@@ -375,9 +372,14 @@ def device_costs(args, index) -> list[dict]:
     batch = torch.from_numpy(np.stack(crops)).permute(0, 3, 1, 2).to(device)
     rows = []
     for recipe, kw in RECIPES.items():
-        if "augment" not in kw:
+        if recipe == BASELINE:
             continue
-        policy = DeviceAugment(kw["augment"], kw.get("augment_interpolation", "random"))
+        policy = DeviceAugment(
+            kw.get("augment", ""),
+            kw.get("augment_interpolation", "random"),
+            kw.get("three_augment", False),
+            kw.get("color_jitter", 0.0),
+        )
         for r in range(2):  # warm-up: the kernels' first launches
             policy(batch, random.Random(r))
         with _Count() as count:

@@ -663,10 +663,9 @@ _key("TRAIN.AUGMENT_INTERPOLATION", "random", choices=["random", "bicubic", "bil
 # GIL released, every draw from the image's own seed, so batches are reproducible and
 # the same in every loader mode), 'pil' (the reference: the crop resized by Pillow,
 # then timm's and torchvision's PIL operations; timm draws from the global random) or
-# 'device' (TRAIN.AUGMENT's RandAugment / AutoAugment on the uint8 batch on the
-# training device, batched per op with per-image draws, Pillow's pixels: the decoding
-# threads only crop and flip; the other two stay 'tensor'. For GPUs: on a CPU it is
-# the training thread's work)
+# 'device' (all three on the uint8 batch on the training device, batched per op
+# with per-image draws, Pillow's pixels: the decoding threads only crop and flip;
+# AugMix refused. For GPUs: on a CPU it is the training thread's work)
 _key("TRAIN.AUGMENT_BACKEND", "tensor", choices=["tensor", "pil", "device"])
 
 # pycls_fast: repeated augmentation (DeiT's RASampler): each image this many times

@@ -48,14 +48,10 @@ def test_a_bad_augment_string_is_refused_before_out_dir_exists(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize(
-    "augment, words", [("augmix-m5-w4-d2", "AugMix"), ("rand-m9-t3a", "GaussianBlur")]
-)
-def test_a_policy_without_a_device_form_is_refused_before_out_dir_exists(
-    tmp_path, augment, words
-):
+def test_augmix_on_the_device_is_refused_before_out_dir_exists(tmp_path):
     out = tmp_path / "run"
-    over = ["TRAIN.AUGMENT", augment, "TRAIN.AUGMENT_BACKEND", "device"]
+    words = "AugMix"
+    over = ["TRAIN.AUGMENT", "augmix-m5-w4-d2", "TRAIN.AUGMENT_BACKEND", "device"]
     result = run_tool("train_net.py", "--cfg", DIGITS_CFG, "OUT_DIR", str(out), *over)
     assert result.returncode == 2
     assert words in result.stderr and "TRAIN.AUGMENT_BACKEND" in result.stderr

@@ -198,8 +198,8 @@ class TrainTransform:
     """Random-resized-crop (or DeiT III's simple random crop) + flip (+ 3-Augment,
     colour jitter, AutoAugment / RandAugment / AugMix) to `im_size` x `im_size` RGB;
     `augment_backend` 'tensor' (torch ops on the crop in the batch row), 'pil'
-    (the reference: Pillow, timm and torchvision on PIL images) or 'device' (as
-    'tensor', without TRAIN.AUGMENT: DeviceBatchTransform applies it)."""
+    (the reference: Pillow, timm and torchvision on PIL images) or 'device' (the
+    crop and flip only: DeviceBatchTransform applies the rest)."""
 
     def __init__(
         self,
@@ -218,13 +218,13 @@ class TrainTransform:
                 f"TRAIN.AUGMENT_BACKEND {augment_backend!r}: one of {BACKENDS}"
             )
         self.out_size = (im_size, im_size)
-        # 'device': TRAIN.AUGMENT runs on the batch (to_device/augment_policy.py),
-        # the rest as with 'tensor'.
+        # 'device': the augmentations run on the batch (to_device/augment_policy.py),
+        # the crops as with 'tensor'.
         self.tensor = augment_backend in ("tensor", "device")
         if self.tensor:
             torch.get_num_threads()  # settles this thread's intra-op threads
         if augment_backend == "device":
-            augment = ""
+            augment, three_augment, color_jitter = "", False, 0.0
         self.augment = make_augment(augment, im_size, augment_interpolation)
         if self.tensor and self.augment is not None:
             self.augment = policies.from_timm(self.augment)

@@ -1,17 +1,18 @@
-"""TRAIN.AUGMENT on the device (TRAIN.AUGMENT_BACKEND device): timm's RandAugment and
-AutoAugment over the uint8 batch once it is copied, before normalization.
+"""The host's augmentations on the device (TRAIN.AUGMENT_BACKEND device): DeiT III's
+3-Augment and colour jitter and TRAIN.AUGMENT's RandAugment / AutoAugment over the
+uint8 batch once it is copied, before normalization.
 
 The decoding threads then only crop, resize and flip, the crop + flip path's CPU per
-image, whatever the policy. Here the policy's draws are made per image on the host, in
-timm's order (images/policies.py: op choice, then per op whether it applies, its
-magnitude, its sign, its interpolation), from a `random.Random` the caller seeds; then
-each layer runs each drawn op once over the images that drew it (batch_ops.py:
+image, whatever the recipe. Here the draws are made per image on the host, in the
+host's order (3-Augment, colour jitter, then the policy in timm's order:
+images/augment.py, images/policies.py), from a `random.Random` the caller seeds;
+then each layer runs each drawn op once over the images that drew it (batch_ops.py:
 Pillow's pixels, no value read back from the device). The draws are a few
 microseconds of Python per image in the training thread; the pixels are the
 device's work.
 
-Ops without a batched form (AugMix's blended chains, Gaussian blur) are refused when
-the policy is built, in one line naming TRAIN.AUGMENT_BACKEND.
+AugMix (chains of ops blended per image) has no batched form: it is refused when the
+policy is built, in one line naming TRAIN.AUGMENT_BACKEND.
 """
 
 import random
@@ -19,6 +20,7 @@ from collections import defaultdict
 
 import torch
 
+from pycls_fast.datasets.images import augment as deit
 from pycls_fast.datasets.images import geometry_ops, policies
 from pycls_fast.datasets.images.transforms import make_augment
 from pycls_fast.datasets.to_device import batch_ops
@@ -43,10 +45,16 @@ _PLAIN = {
     "AutoContrast": batch_ops.autocontrast,
     "Equalize": batch_ops.equalize,
     "Invert": batch_ops.invert,
+    "Grayscale": batch_ops.grayscale,  # DeiT III's
 }
 _POINT = {"Posterize", "PosterizeIncreasing", "PosterizeOriginal"}
 _POINT |= {"Solarize", "SolarizeIncreasing", "SolarizeAdd"}
-SUPPORTED = _GEOMETRIC | set(_BLENDS) | set(_PLAIN) | _POINT
+_BLURS = {"GaussianBlur", "GaussianBlurRand"}
+SUPPORTED = _GEOMETRIC | set(_BLENDS) | set(_PLAIN) | _POINT | _BLURS
+SUPPORTED -= {"Grayscale"}  # timm's ops: grayscale is 3-Augment's only
+# colour jitter's three operations, in jitter_params' numbering
+_JITTER = ("Brightness", "Contrast", "Color")
+_FILL = (124, 116, 104)  # unused by the non-geometric ops; a fill for their groups
 
 
 def _to(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -74,18 +82,30 @@ def _matrix(name: str, value: float, h: int, w: int) -> list[float]:
 
 
 class DeviceAugment:
-    """timm's policy for TRAIN.AUGMENT `augment` (RandAugment or AutoAugment) with
-    geometric ops' `interpolation`, applied to uint8 (B, 3, H, W) batches."""
+    """DeiT III's 3-Augment (`three_augment`), colour jitter (`color_jitter`, its
+    strength) and the policy of TRAIN.AUGMENT `augment` (RandAugment or AutoAugment,
+    geometric ops at `interpolation`), in that order, on uint8 (B, 3, H, W) batches."""
 
-    def __init__(self, augment: str, interpolation: str = "random") -> None:
+    def __init__(
+        self,
+        augment: str = "",
+        interpolation: str = "random",
+        three_augment: bool = False,
+        color_jitter: float = 0.0,
+    ) -> None:
         self.augment = augment
         self.interpolation = interpolation
+        self.three_augment = three_augment
+        self.color_jitter = color_jitter
         self._policies = {}
-        self.policy(32)  # refuses unsupported policies now, not at the first batch
+        if augment:
+            self.policy(32)  # refuses unsupported policies now, not at a batch
 
     def policy(self, im_size: int):
         """The tensor policy at `im_size` (AutoAugment's absolute translations scale
-        with it), built once per size."""
+        with it), built once per size; None without TRAIN.AUGMENT."""
+        if not self.augment:
+            return None
         policy = self._policies.get(im_size)
         if policy is None:
             timm_policy = make_augment(self.augment, im_size, self.interpolation)
@@ -110,23 +130,28 @@ class DeviceAugment:
         return policy
 
     def draw(self, batch_size: int, im_size: int, rng: random.Random) -> list[list]:
-        """Per image, per layer: (op, args, resample) or None (skipped), drawn in
-        timm's order from `rng`."""
+        """Per image, per layer: (op name, args, resample, fill) or None (skipped),
+        drawn in the host's order from `rng`."""
         policy = self.policy(im_size)
         out = []
         for _ in range(batch_size):
-            if isinstance(policy, policies.RandAugment):
-                ops = policy.choose(rng)
-            else:
-                ops = rng.choice(policy.policy)
             layers = []
-            for op in ops:
-                args = op.draw(rng)
-                if args is None:
-                    layers.append(None)
-                    continue
-                resample = op.draw_resample(rng) if op.name in _GEOMETRIC else None
-                layers.append((op, args, resample))
+            if self.three_augment:  # augment.three_augment_tensor's draws
+                choice = rng.randrange(3)
+                if choice == 0:
+                    layers.append(("Grayscale", (), None, _FILL))
+                elif choice == 1:
+                    args = (deit.SOLARIZE_THRESHOLD,)
+                    layers.append(("Solarize", args, None, _FILL))
+                else:
+                    radius = rng.uniform(*deit.BLUR_RADIUS)
+                    layers.append(("GaussianBlur", (radius,), None, _FILL))
+            if self.color_jitter:
+                order, factors = deit.jitter_params(self.color_jitter, rng)
+                for k in order:
+                    layers.append((_JITTER[k], (factors[k],), None, _FILL))
+            if policy is not None:
+                layers.extend(_policy_draws(policy, rng))
             out.append(layers)
         return out
 
@@ -140,8 +165,8 @@ class DeviceAugment:
             groups = defaultdict(list)
             for i, layers in enumerate(draws):
                 if layer < len(layers) and layers[layer] is not None:
-                    op, args, resample = layers[layer]
-                    key, args = _group(op.name, args, resample, op.fill, h, w)
+                    name, args, resample, fill = layers[layer]
+                    key, args = _group(name, args, resample, fill, h, w)
                     if key is not None:
                         groups[key].append((i, args))
             for key, members in groups.items():
@@ -149,6 +174,29 @@ class DeviceAugment:
                     out = images.clone()
                 _run(out, *key, members)
         return images if out is None else out
+
+
+def _policy_draws(policy, rng: random.Random) -> list:
+    """One image's layers of a RandAugment / AutoAugment policy, in timm's order:
+    op choice, then per op whether it applies, its arguments and its interpolation
+    (or GaussianBlurRand's radius, which its op draws)."""
+    if isinstance(policy, policies.RandAugment):
+        ops = policy.choose(rng)
+    else:
+        ops = rng.choice(policy.policy)
+    layers = []
+    for op in ops:
+        args = op.draw(rng)
+        if args is None:
+            layers.append(None)
+            continue
+        name, resample = op.name, None
+        if name in _GEOMETRIC:
+            resample = op.draw_resample(rng)
+        elif name == "GaussianBlurRand":  # policies._gaussian_blur_rand's draw
+            name, args = "GaussianBlur", (rng.uniform(0.1, 2.0 * args[0]),)
+        layers.append((name, args, resample, op.fill))
+    return layers
 
 
 def apply_op(images, name: str, members: list, resample: int, fill) -> None:
@@ -192,8 +240,21 @@ def _run(images, name, resample, fill, members) -> None:
             else:
                 images[i] = torch.rot90(images[i], 1 if angle == 90 else -1, (1, 2))
         return
+    if name == "GaussianBlur":
+        members = _blur_members(members)
+        if not members:
+            return
     index = _to([i for i, _ in members], torch.int64, device)
     x = images.index_select(0, index)
+    if name == "GaussianBlur":
+        weights = [w for _, w in members]
+        radius, inner, outer = (
+            _to([w[k] for w in weights], torch.int64, device) for k in range(3)
+        )
+        biggest = max(w[0] for w in weights)
+        x = batch_ops.gaussian_blur(x, radius, inner, outer, biggest)
+        images.index_copy_(0, index, x)
+        return
     if name == "Affine":
         matrices = _to([list(m) for _, m in members], torch.float64, device)
         fill_t = _to(list(fill), torch.uint8, device)
@@ -212,3 +273,14 @@ def _run(images, name, resample, fill, members) -> None:
     else:
         x = batch_ops.solarize(x, _to(values, torch.float64, device))
     images.index_copy_(0, index, x)
+
+
+def _blur_members(members) -> list:
+    """GaussianBlur's (index, box weights) pairs, the images whose box radius is 0
+    left out (Pillow returns them unchanged)."""
+    out = []
+    for i, (radius,) in members:
+        box = batch_ops.box_blur_radius(radius)
+        if radius != 0 and box != 0:
+            out.append((i, batch_ops.box_weights(box)))
+    return out

@@ -11,6 +11,9 @@ images/geometry_ops.py explain the same arithmetic on the host):
 - Point ops (invert, posterize, solarize, solarize-add) are the same integer functions;
   autocontrast and equalize build Pillow's tables per image and channel (equalize's
   from per-image histograms), in float64 and int64 as Pillow's Python does.
+- Every division is of a tensor by a tensor: torch computes `number / tensor` as a
+  reciprocal times the number, and CUDA `tensor / number` as a product with the
+  number's reciprocal, each rounded twice.
 - Blends repeat Pillow's float32 `in1 + alpha * (in2 - in1)`, one rounding per
   operation (separate kernels: no fused multiply-add), truncated and clipped; luma is
   Pillow's 16-bit fixed point in int32; SMOOTH (sharpness) the integer
@@ -104,7 +107,10 @@ def contrast(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     as ImageStat's `int(sum / count + 0.5)`."""
     h, w = x.shape[-2:]
     total = luma(x).sum(dim=(1, 2, 3), dtype=torch.int64).to(torch.float64)
-    mean = torch.floor(total / float(h * w) + 0.5).to(torch.float32)
+    # Over a tensor, not a number: CUDA divides by a number as a product with its
+    # reciprocal, which is not Python's correctly rounded quotient.
+    mean = torch.floor(total / torch.full_like(total, h * w) + 0.5)
+    mean = mean.to(torch.float32)
     return blend(_per_image(mean), x, factor)
 
 
@@ -130,7 +136,9 @@ def autocontrast(x: torch.Tensor) -> torch.Tensor:
     low = x.amin(dim=(2, 3), keepdim=True).to(torch.float64)
     high = x.amax(dim=(2, 3), keepdim=True).to(torch.float64)
     spread = high - low
-    scale = 255.0 / torch.where(spread > 0, spread, 1.0)
+    # A tensor over a tensor: `255.0 / t` is torch's reciprocal times 255, rounded
+    # twice.
+    scale = torch.full_like(spread, 255.0) / torch.where(spread > 0, spread, 1.0)
     offset = torch.neg(low) * scale
     out = torch.trunc(x.to(torch.float64) * scale + offset).clamp_(0, 255)
     return torch.where(spread > 0, out.to(torch.uint8), x)
@@ -209,3 +217,78 @@ def affine(
     out = combine(*lines, dy).view(n, c, h, w)
     out = to_uint8(out)
     return torch.where(inside.view(n, 1, h, w), out, fill.view(1, c, 1, 1))
+
+
+def grayscale(x: torch.Tensor) -> torch.Tensor:
+    """`convert("L")` merged into three equal channels (DeiT III's grayscale)."""
+    return luma(x).to(torch.uint8).expand_as(x).contiguous()
+
+
+def box_blur_radius(radius: float, passes: int = 3) -> float:
+    """Pillow's box radius for `GaussianBlur(radius)` (BoxBlur.c's
+    `_gaussian_blur_radius`): float32 arithmetic, its two steps in double."""
+    import numpy as np
+
+    f = np.float32
+    sigma2 = f(f(radius) * f(radius)) / f(passes)
+    length = f(np.sqrt(12.0 * float(sigma2) + 1.0))
+    whole = f(np.floor((float(length) - 1.0) / 2.0))
+    a = (f(2) * whole + f(1)) * (whole * (whole + f(1)) - f(3) * sigma2)
+    a = a / (f(6) * (sigma2 - (whole + f(1)) * (whole + f(1))))
+    return float(f(whole + a))
+
+
+def box_weights(box_radius: float) -> tuple[int, int, int]:
+    """(integer radius, weight of the inner taps, weight of the two outer taps) of
+    Pillow's fixed-point box (ImagingHorizontalBoxBlur: 24-bit weights)."""
+    import numpy as np
+
+    f = np.float32
+    whole = int(box_radius)
+    inner = int(f(1 << 24) / (f(f(box_radius) * f(2)) + f(1)))
+    outer = ((1 << 24) - (whole * 2 + 1) * inner) // 2
+    return whole, inner, outer
+
+
+def _box_pass(v: torch.Tensor, radius, inner, outer, pad: int) -> torch.Tensor:
+    """One ImagingLineBoxBlur pass along the last axis of int64 `v` (N, C, H, W):
+    per image, (sum of the 2 r + 1 taps around x) x inner + (the taps at x - r - 1
+    and x + r + 1) x outer, rounded off 24 bits; taps past the edges repeat it."""
+    n, c, h, w = v.shape
+    padded = torch.cat(
+        [v[..., :1].expand(n, c, h, pad), v, v[..., -1:].expand(n, c, h, pad)], dim=3
+    )
+    sums = torch.nn.functional.pad(padded.cumsum(3), (1, 0))
+    x = torch.arange(w, device=v.device).view(1, 1, 1, w) + pad
+    r = radius.view(n, 1, 1, 1)
+    shape = (n, c, h, w)
+    window = sums.gather(3, (x + r + 1).expand(shape)) - sums.gather(
+        3, (x - r).expand(shape)
+    )
+    far = padded.gather(3, (x - r - 1).expand(shape)) + padded.gather(
+        3, (x + r + 1).expand(shape)
+    )
+    bulk = window * inner.view(n, 1, 1, 1) + far * outer.view(n, 1, 1, 1)
+    return (bulk + (1 << 23)) >> 24
+
+
+def gaussian_blur(
+    x: torch.Tensor,
+    radius: torch.Tensor,
+    inner: torch.Tensor,
+    outer: torch.Tensor,
+    max_radius: int,
+) -> torch.Tensor:
+    """ImageFilter.GaussianBlur per image (a radius whose box radius is not 0):
+    Pillow's three box passes along rows, then three along columns, each rounded to
+    8 bits. `radius`, `inner`, `outer`: int64 (N,) from
+    `box_weights(box_blur_radius(r))` on the host; `max_radius`: the largest of
+    `radius` (known on the host: reading it here would wait for the device)."""
+    pad = max_radius + 1
+    v = x.to(torch.int64)
+    for _ in range(3):
+        v = _box_pass(v, radius, inner, outer, pad)
+    v = v.transpose(2, 3)
+    for _ in range(3):
+        v = _box_pass(v, radius, inner, outer, pad)
+    return v.transpose(2, 3).to(torch.uint8).contiguous()

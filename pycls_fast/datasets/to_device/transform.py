@@ -245,12 +245,12 @@ def mix_batch(
 class DeviceBatchTransform:
     """Turns a host batch into model inputs and loss targets on `device`.
 
-    Train: uint8 -> device -> TRAIN.AUGMENT with TRAIN.AUGMENT_BACKEND device
-    (augment_policy.py) -> PCA lighting (TRAIN.PCA_STD) + normalize in `dtype` ->
-    random erasing (TRAIN.RANDOM_ERASE*) -> mixup / cutmix (TRAIN.MIXUP_ALPHA,
-    TRAIN.CUTMIX_ALPHA) with label smoothing (TRAIN.LABEL_SMOOTHING). Targets are
-    float32 (B, MODEL.NUM_CLASSES) probabilities when any of those three is on, else
-    the int64 (B,) labels; both are accepted by
+    Train: uint8 -> device -> with TRAIN.AUGMENT_BACKEND device, TRAIN.THREE_AUGMENT,
+    TRAIN.COLOR_JITTER and TRAIN.AUGMENT (augment_policy.py) -> PCA lighting
+    (TRAIN.PCA_STD) + normalize in `dtype` -> random erasing (TRAIN.RANDOM_ERASE*)
+    -> mixup / cutmix (TRAIN.MIXUP_ALPHA, TRAIN.CUTMIX_ALPHA) with label smoothing
+    (TRAIN.LABEL_SMOOTHING). Targets are float32 (B, MODEL.NUM_CLASSES) probabilities
+    when any of those three is on, else the int64 (B,) labels; both are accepted by
     torch's cross_entropy. Test: normalize only; targets are the labels.
     Random draws come from generators seeded with RNG_SEED (and `rank`): a numpy
     Generator on the host (mixup / cutmix choices) and a torch Generator on `device`
@@ -282,9 +282,11 @@ class DeviceBatchTransform:
         self.bgr = cfg.DATA.CHANNEL_ORDER == "bgr"
         self.mean, self.std = tuple(cfg.DATA.MEAN), tuple(cfg.DATA.STD)
         self.augment = None
-        if train and cfg.TRAIN.AUGMENT and cfg.TRAIN.AUGMENT_BACKEND == "device":
+        t = cfg.TRAIN
+        augments = t.AUGMENT or t.THREE_AUGMENT or t.COLOR_JITTER
+        if train and t.AUGMENT_BACKEND == "device" and augments:
             self.augment = DeviceAugment(
-                cfg.TRAIN.AUGMENT, cfg.TRAIN.AUGMENT_INTERPOLATION
+                t.AUGMENT, t.AUGMENT_INTERPOLATION, t.THREE_AUGMENT, t.COLOR_JITTER
             )
         seed = [cfg.RNG_SEED, rank]
         self.rng = np.random.default_rng(seed)
