@@ -232,7 +232,6 @@ def _group(name, args, resample, fill, h, w):
 def _run(images, name, resample, fill, members) -> None:
     """Runs `name` (an op, "Affine" with matrices, "Transpose" with angles) on the
     rows `members` lists ((index, args) pairs) of `images`, in place."""
-    device = images.device
     if name == "Transpose":
         for i, (angle,) in members:
             if angle == 180:
@@ -244,35 +243,36 @@ def _run(images, name, resample, fill, members) -> None:
         members = _blur_members(members)
         if not members:
             return
-    index = _to([i for i, _ in members], torch.int64, device)
+    index = _to([i for i, _ in members], torch.int64, images.device)
     x = images.index_select(0, index)
+    images.index_copy_(0, index, _batched(name, x, members, resample, fill))
+
+
+def _batched(name, x, members, resample, fill) -> torch.Tensor:
+    """`name` on `x`, the members' rows, with each member's arguments."""
+    device = x.device
     if name == "GaussianBlur":
         weights = [w for _, w in members]
         radius, inner, outer = (
             _to([w[k] for w in weights], torch.int64, device) for k in range(3)
         )
         biggest = max(w[0] for w in weights)
-        x = batch_ops.gaussian_blur(x, radius, inner, outer, biggest)
-        images.index_copy_(0, index, x)
-        return
+        return batch_ops.gaussian_blur(x, radius, inner, outer, biggest)
     if name == "Affine":
         matrices = _to([list(m) for _, m in members], torch.float64, device)
         fill_t = _to(list(fill), torch.uint8, device)
-        images.index_copy_(0, index, batch_ops.affine(x, matrices, resample, fill_t))
-        return
+        return batch_ops.affine(x, matrices, resample, fill_t)
     values = [args[0] if args else 0.0 for _, args in members]
     if name in _PLAIN:
-        x = _PLAIN[name](x)
-    elif name in _BLENDS:
+        return _PLAIN[name](x)
+    if name in _BLENDS:
         if name == "Desaturate":  # timm: colour at 1 - factor, within [0, 1]
             values = [min(1.0, max(0.0, 1.0 - v)) for v in values]
-        x = _BLENDS[name](x, _to(values, torch.float64, device).to(torch.float32))
-    elif name.startswith("Posterize") or name == "SolarizeAdd":
+        return _BLENDS[name](x, _to(values, torch.float64, device).to(torch.float32))
+    if name.startswith("Posterize") or name == "SolarizeAdd":
         op = batch_ops.posterize if name != "SolarizeAdd" else batch_ops.solarize_add
-        x = op(x, _to([int(v) for v in values], torch.int64, device))
-    else:
-        x = batch_ops.solarize(x, _to(values, torch.float64, device))
-    images.index_copy_(0, index, x)
+        return op(x, _to([int(v) for v in values], torch.int64, device))
+    return batch_ops.solarize(x, _to(values, torch.float64, device))
 
 
 def _blur_members(members) -> list:
