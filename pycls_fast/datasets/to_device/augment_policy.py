@@ -54,7 +54,6 @@ SUPPORTED = _GEOMETRIC | set(_BLENDS) | set(_PLAIN) | _POINT | _BLURS
 SUPPORTED -= {"Grayscale"}  # timm's ops: grayscale is 3-Augment's only
 # colour jitter's three operations, in jitter_params' numbering
 _JITTER = ("Brightness", "Contrast", "Color")
-_FILL = (124, 116, 104)  # unused by the non-geometric ops; a fill for their groups
 
 
 def _to(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -131,7 +130,7 @@ class DeviceAugment:
 
     def draw(self, batch_size: int, im_size: int, rng: random.Random) -> list[list]:
         """Per image, per layer: (op name, args, resample, fill) or None (skipped),
-        drawn in the host's order from `rng`."""
+        drawn in the host's order from `rng` (resample and fill: geometric ops')."""
         policy = self.policy(im_size)
         out = []
         for _ in range(batch_size):
@@ -139,17 +138,17 @@ class DeviceAugment:
             if self.three_augment:  # augment.three_augment_tensor's draws
                 choice = rng.randrange(3)
                 if choice == 0:
-                    layers.append(("Grayscale", (), None, _FILL))
+                    layers.append(("Grayscale", (), None, None))
                 elif choice == 1:
                     args = (deit.SOLARIZE_THRESHOLD,)
-                    layers.append(("Solarize", args, None, _FILL))
+                    layers.append(("Solarize", args, None, None))
                 else:
                     radius = rng.uniform(*deit.BLUR_RADIUS)
-                    layers.append(("GaussianBlur", (radius,), None, _FILL))
+                    layers.append(("GaussianBlur", (radius,), None, None))
             if self.color_jitter:
                 order, factors = deit.jitter_params(self.color_jitter, rng)
                 for k in order:
-                    layers.append((_JITTER[k], (factors[k],), None, _FILL))
+                    layers.append((_JITTER[k], (factors[k],), None, None))
             if policy is not None:
                 layers.extend(_policy_draws(policy, rng))
             out.append(layers)
@@ -162,17 +161,14 @@ class DeviceAugment:
         draws = self.draw(b, w, rng)
         out = None
         for layer in range(max((len(d) for d in draws), default=0)):
-            groups = defaultdict(list)
-            for i, layers in enumerate(draws):
-                if layer < len(layers) and layers[layer] is not None:
-                    name, args, resample, fill = layers[layer]
-                    key, args = _group(name, args, resample, fill, h, w)
-                    if key is not None:
-                        groups[key].append((i, args))
-            for key, members in groups.items():
-                if out is None:
-                    out = images.clone()
-                _run(out, *key, members)
+            members = [
+                (i, *layers[layer])
+                for i, layers in enumerate(draws)
+                if layer < len(layers) and layers[layer] is not None
+            ]
+            if members:
+                out = images.clone() if out is None else out
+                _apply_layer(out, members)
         return images if out is None else out
 
 
@@ -202,9 +198,15 @@ def _policy_draws(policy, rng: random.Random) -> list:
 def apply_op(images, name: str, members: list, resample: int, fill) -> None:
     """Runs timm's op `name` on the rows of `images` (uint8 (B, 3, H, W)) that
     `members` lists as (index, op arguments) pairs, in place."""
+    _apply_layer(images, [(i, name, args, resample, fill) for i, args in members])
+
+
+def _apply_layer(images, members: list) -> None:
+    """One layer: (index, op name, args, resample, fill) per image that drew an op,
+    each op (or warp) run once over its images, in place."""
     _, _, h, w = images.shape
     groups = defaultdict(list)
-    for i, args in members:
+    for i, name, args, resample, fill in members:
         key, args = _group(name, args, resample, fill, h, w)
         if key is not None:
             groups[key].append((i, args))

@@ -26,7 +26,10 @@ images/geometry_ops.py explain the same arithmetic on the host):
   multiply-add) rounds it, so the pixels are Pillow's exactly.
 """
 
+import numpy as np
 import torch
+
+from pycls_fast.datasets.images.pixel_ops import to_uint8
 
 BILINEAR = 2  # PIL.Image.Resampling.BILINEAR
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
@@ -35,12 +38,6 @@ BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
 def _per_image(values: torch.Tensor) -> torch.Tensor:
     """(N,) -> (N, 1, 1, 1), to broadcast over an image."""
     return values.view(-1, 1, 1, 1)
-
-
-def to_uint8(x: torch.Tensor) -> torch.Tensor:
-    """float `x` clipped to [0, 255] and truncated to uint8 (Pillow's CLIP8 and
-    `(UINT8)` casts; after the clip truncation is a floor)."""
-    return x.clamp_(0, 255).to(torch.uint8)
 
 
 def invert(x: torch.Tensor) -> torch.Tensor:
@@ -227,8 +224,6 @@ def grayscale(x: torch.Tensor) -> torch.Tensor:
 def box_blur_radius(radius: float, passes: int = 3) -> float:
     """Pillow's box radius for `GaussianBlur(radius)` (BoxBlur.c's
     `_gaussian_blur_radius`): float32 arithmetic, its two steps in double."""
-    import numpy as np
-
     f = np.float32
     sigma2 = f(f(radius) * f(radius)) / f(passes)
     length = f(np.sqrt(12.0 * float(sigma2) + 1.0))
@@ -241,8 +236,6 @@ def box_blur_radius(radius: float, passes: int = 3) -> float:
 def box_weights(box_radius: float) -> tuple[int, int, int]:
     """(integer radius, weight of the inner taps, weight of the two outer taps) of
     Pillow's fixed-point box (ImagingHorizontalBoxBlur: 24-bit weights)."""
-    import numpy as np
-
     f = np.float32
     whole = int(box_radius)
     inner = int(f(1 << 24) / (f(f(box_radius) * f(2)) + f(1)))
