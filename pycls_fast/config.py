@@ -579,7 +579,8 @@ _key("TRAIN.CHECKPOINT_KEEP_BEST", False)
 # (docs/RELIABILITY.md). Stop-signal checkpoints are always written synchronously
 _key("TRAIN.CHECKPOINT_ASYNC", False)
 
-# Resume training from the newest complete checkpoint in OUT_DIR
+# Resume training from the newest complete checkpoint in OUT_DIR (False: start
+# anew; refused where OUT_DIR holds checkpoints, which it would overwrite)
 _key("TRAIN.AUTO_RESUME", True)
 
 # pycls_fast: keys (comma-separated, or 'all') whose change from the config of the

@@ -129,12 +129,22 @@ def describe_changes(changes, old_text: str, cfg: CfgNode, epoch: float) -> str:
 
 
 def compare_with_run(cfg: CfgNode) -> tuple[str | None, list[str]]:
-    """`cfg` against the config of the newest checkpoint in OUT_DIR (local OUT_DIRs,
-    with TRAIN.AUTO_RESUME): (the refusal in one line, or None; the accepted and
-    safe changes in words, a line each for the log)."""
-    if is_remote(cfg.OUT_DIR) or not cfg.TRAIN.AUTO_RESUME:
+    """`cfg` against the config of the newest checkpoint in OUT_DIR (local OUT_DIRs;
+    without TRAIN.AUTO_RESUME, a checkpoint there is refused): (the refusal in one
+    line, or None; the accepted and safe changes in words, a line each for the log)."""
+    if is_remote(cfg.OUT_DIR):
         return None, []
     last = files.last_checkpoint(cfg.OUT_DIR)
+    if last and not cfg.TRAIN.AUTO_RESUME:
+        # Training anew would write its checkpoints and epoch_stats.csv over the
+        # run's: nothing already written is lost.
+        return (
+            f"OUT_DIR {cfg.OUT_DIR} holds a run's checkpoints (newest "
+            f"{os.path.basename(last)}), which TRAIN.AUTO_RESUME False would train "
+            "over: start a new OUT_DIR, or drop TRAIN.AUTO_RESUME False to resume it"
+        ), []
+    if not cfg.TRAIN.AUTO_RESUME:
+        return None, []
     text = saved_config_text(last) if last else None
     if text is None:
         return None, []

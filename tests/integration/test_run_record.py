@@ -1,6 +1,6 @@
 """A run's record stays true, as a user meets it: reruns into a finished run's
-OUT_DIR with another config, a longer schedule, another shape; evaluations beside
-a run; a run folder as TRAIN.WEIGHTS."""
+OUT_DIR with another config, a longer schedule, another shape, without resuming;
+evaluations beside a run; a run folder as TRAIN.WEIGHTS."""
 
 import os
 
@@ -80,6 +80,23 @@ def test_changed_key_refused_then_accepted_with_history(trained):
         result.stderr
     )
     assert "Traceback" not in result.stderr
+
+
+def test_training_anew_over_a_run_is_refused(trained):
+    out, args = trained
+    ckpt = os.path.join(out, "checkpoints", "model_epoch_0001.pyth")
+    stats = os.path.join(out, "epoch_stats.csv")
+    before = _read(stats)
+    stamp = os.stat(ckpt).st_mtime_ns
+    result = run_tool("train_net.py", *args, "OPTIM.MAX_EPOCH", "1",
+                      "TRAIN.AUTO_RESUME", "False")  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1, line
+    assert f"OUT_DIR {out} holds a run's checkpoints (newest" in line
+    assert "TRAIN.AUTO_RESUME False would train over" in line
+    assert os.stat(ckpt).st_mtime_ns == stamp
+    assert _read(stats) == before
 
 
 def test_evaluation_never_writes_into_the_run(trained):
