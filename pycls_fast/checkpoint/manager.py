@@ -182,13 +182,14 @@ def restore(parts, path: str):
     guard = getattr(parts, "spike_guard", None)
     if guard is not None and "spike_state" in state:
         guard.load_state_dict(state["spike_state"])
-    # RNG streams continue where they were when the world size is unchanged; at
-    # another world size the ranks' streams start afresh from RNG_SEED.
-    same_world = state.get("world_size") == distributed.world_size()
-    for key, part in _rank_parts(parts).items():
-        # Epoch sums are each rank's share of the old world's: only valid unchanged.
-        if key in state and (same_world or key != "train_meter"):
-            part.load_state_dict(state[key])
+    # A rank's own parts (RNG streams, epoch sums) continue where they were when
+    # the world size is unchanged; at another world size the ranks' streams start
+    # afresh from RNG_SEED (a file's top-level states are rank 0's: loaded on every
+    # rank they would give all ranks the same draws) and the sums from zero.
+    if state.get("world_size") == distributed.world_size():
+        for key, part in _rank_parts(parts).items():
+            if key in state:
+                part.load_state_dict(state[key])
     return state["epoch"], state["iter"]
 
 

@@ -228,3 +228,44 @@ def test_a_save_keeps_the_best_unless_it_writes_over_it(tmp_path):
     manager.save(1, 0)
     assert retention.read_best(str(tmp_path)) is None
     assert _names(tmp_path) == ["model_epoch_0002_iter_000005.pyth"]
+
+
+def _restore_parts(cfg, rank):
+    model = torch.nn.Linear(2, 2)
+    scaler = SimpleNamespace(state_dict=dict, load_state_dict=lambda s: None)
+    return SimpleNamespace(
+        cfg=cfg, model=model, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+        ema=None, master=None, scaler=scaler, device=torch.device("cpu"),
+        train_prep=DeviceBatchTransform(cfg, "cpu", rank=rank),
+    )  # fmt: skip
+
+
+def test_a_file_at_another_world_size_gives_each_rank_its_own_streams(
+    tmp_path, monkeypatch
+):
+    from pycls_fast.checkpoint import manager
+    from pycls_fast.runtime import distributed
+
+    cfg = load_cfg(None, ["TRAIN.MIXUP_ALPHA", "0.8", "TRAIN.RANDOM_ERASE", "0.25"])
+    saved = _restore_parts(cfg, 0)
+    saved.train_prep.rng.random()  # the run went on a little: not a fresh state
+    path = str(tmp_path / "model_epoch_0003.pyth")
+    torch.save(manager.training_state(saved, 3, 0), path)
+    draw = saved.train_prep.rng.random()
+
+    # The same world (one process): the stream goes on where it was saved.
+    same = _restore_parts(cfg, 0)
+    manager.restore(same, path)
+    assert same.train_prep.rng.random() == draw
+    # Two ranks: each starts afresh from RNG_SEED, as a new 2-rank run does, not
+    # both from rank 0's saved stream.
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    draws = []
+    for rank in (0, 1):
+        monkeypatch.setattr(distributed, "rank", lambda r=rank: r)
+        parts = _restore_parts(cfg, rank)
+        manager.restore(parts, path)
+        fresh = DeviceBatchTransform(cfg, "cpu", rank=rank).rng.random()
+        draws.append(parts.train_prep.rng.random())
+        assert draws[-1] == fresh
+    assert draws[0] != draws[1] and draw not in draws
