@@ -169,6 +169,11 @@ def safe_load(source, name: str, mmap: bool = False):
     unreadable. `mmap`: the tensors are views of the file mapped into memory (read
     from disk when touched, not copied: a rank that takes its shards of them
     reads only those); torch's zip format only, others are read whole."""
+    if not _looks_like_torch_save(source):
+        raise CheckpointError(
+            f"cannot read checkpoint {name}: not a file that torch.save wrote (it "
+            "starts neither as a zip archive nor as a pickle)"
+        )
     try:
         if mmap:
             try:
@@ -181,7 +186,7 @@ def safe_load(source, name: str, mmap: bool = False):
         return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:
         text = str(e).strip()
-        if "weights_only" in text or "Unsupported global" in text:
+        if "Unsupported global" in text:
             what = "unsupported types"
             for line in text.splitlines():
                 if "Unsupported global" in line:
@@ -193,8 +198,25 @@ def safe_load(source, name: str, mmap: bool = False):
                 "values (checkpoints of pycls_fast before weights_only loading hold "
                 "numpy RNG states: see docs/RELIABILITY.md)"
             ) from None
+        if "weights_only" in text:  # torch's advice to load unsafely: not ours
+            text = text.rsplit("error:", 1)[-1].strip()
         first = text.splitlines()[0] if text else type(e).__name__
-        raise CheckpointError(f"cannot read checkpoint {name}: {first}") from None
+        raise CheckpointError(
+            f"cannot read checkpoint {name}: {first} (a damaged or partial file?)"
+        ) from None
+
+
+def _looks_like_torch_save(source) -> bool:
+    """Whether `source` (a path or a seekable binary file) starts as torch.save's
+    zip archive or its older pickle format (protocol 2 or above)."""
+    if isinstance(source, str | os.PathLike):
+        with open(source, "rb") as f:
+            head = f.read(4)
+    else:
+        where = source.tell()
+        head = source.read(4)
+        source.seek(where)
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
 def load_checkpoint(path: str, mmap: bool = False) -> dict:

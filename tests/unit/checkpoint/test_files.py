@@ -138,10 +138,26 @@ def test_a_checkpoint_holding_code_is_refused_naming_what_it_holds(tmp_path, mma
         f"cannot read checkpoint {bad}: it holds objects that loading would run code "
         "for (fractions.Fraction);"
     )
+    # Not torch.save's output (a log, random bytes): said so, not "code".
+    for text in (b"not a checkpoint", b"\x11\x93" + bytes(range(200))):
+        with open(garbage, "wb") as f:
+            f.write(text)
+        with pytest.raises(CheckpointError) as e:
+            files.load_checkpoint(garbage, mmap=mmap)
+        assert str(e.value) == (
+            f"cannot read checkpoint {garbage}: not a file that torch.save wrote (it "
+            "starts neither as a zip archive nor as a pickle)"
+        )
+    # A pickle that torch's loader cannot read (not a tensor's): its reason, without
+    # torch's advice to load unsafely.
     with open(garbage, "wb") as f:
-        f.write(b"not a checkpoint")
-    with pytest.raises(CheckpointError, match=f"^cannot read checkpoint {garbage}: "):
+        f.write(b"\x80\x02\xad\x00\x00")
+    with pytest.raises(CheckpointError) as e:
         files.load_checkpoint(garbage, mmap=mmap)
+    message = str(e.value)
+    assert message.startswith(f"cannot read checkpoint {garbage}: ")
+    assert message.endswith("(a damaged or partial file?)")
+    assert "weights_only" not in message and "run code" not in message
 
 
 def test_a_sharded_save_clears_the_leftover_of_a_crashed_write(tmp_path):
