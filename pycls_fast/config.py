@@ -1330,6 +1330,28 @@ def _merge(cfg: CfgNode, src: Mapping, prefix: str = "") -> set[str]:
     return done
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain YAML
+    keeps the last: a second `TRAIN:` section would drop the first's keys)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key} given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(stream) -> Any:
+    """The YAML document of `stream` (text or file); yaml.YAMLError for invalid
+    YAML and for a mapping key given twice (its mark at the second one)."""
+    return yaml.load(stream, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+
+
 def merge_from_file(cfg: CfgNode, path: str) -> set[str]:
     """Merges the YAML file at `path` (and its `_BASE_` files) into the mutable `cfg`,
     checked key by key; returns the dotted keys the files set."""
@@ -1337,11 +1359,13 @@ def merge_from_file(cfg: CfgNode, path: str) -> set[str]:
         raise ConfigError(f"config file not found: {path}")
     try:
         with open(path) as f:
-            src = yaml.safe_load(f) or {}
+            src = read_yaml(f)
     except yaml.YAMLError as e:
         raise ConfigError(
-            f"config file {path} is not valid YAML{_yaml_where(e)}"
+            f"config file {path} is not valid YAML{yaml_where(e)}"
         ) from None
+    if src is None:  # defaults for a config file is a mistake, not a model
+        raise ConfigError(f"config file {path} is empty: it sets no key")
     if not isinstance(src, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys")
     done = set()
@@ -1356,7 +1380,7 @@ def merge_from_file(cfg: CfgNode, path: str) -> set[str]:
         raise ConfigError(f"{e} (in {path})") from None
 
 
-def _yaml_where(e: yaml.YAMLError) -> str:
+def yaml_where(e: yaml.YAMLError) -> str:
     """' at line L, column C: what' of a YAML error (1-based, as editors count)."""
     mark = getattr(e, "problem_mark", None)
     problem = getattr(e, "problem", None) or (str(e).splitlines() or ["invalid"])[0]

@@ -24,7 +24,8 @@ plus `KEY VALUE` overrides on the command line:
 
 Every key of pycls's own config schema is accepted with pycls's meaning, so a pycls
 config file loads unchanged. Keys marked "pycls_fast" are new.
-A YAML file may start with `_BASE_: other.yaml` to inherit from another file.
+A YAML file may start with `_BASE_: other.yaml` to inherit from another file; a
+section or key given twice in one file is refused (YAML would keep only the last).
 
 An unknown key, a value of the wrong type or outside the key's limits (the "limits"
 column), or an impossible combination stops the tool before any work starts, with one

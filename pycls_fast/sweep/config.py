@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from yacs.config import CfgNode
 
+from pycls_fast.config import read_yaml, yaml_where
 from pycls_fast.errors import ConfigError
 from pycls_fast.sweep import constraints
 from pycls_fast.sweep.samplers import load_sampler
@@ -147,9 +148,11 @@ def load_sweep_cfg(path: str) -> CfgNode:
         raise ConfigError(f"sweep config not found: {path}")
     try:
         with open(path) as f:
-            src = yaml.safe_load(f) or {}
+            src = read_yaml(f) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"sweep config {path} is not valid YAML: {e}") from None
+        raise ConfigError(
+            f"sweep config {path} is not valid YAML{yaml_where(e)}"
+        ) from None
     if not isinstance(src, dict):
         raise ConfigError(f"sweep config {path} must hold a mapping of keys")
     raw = copy.deepcopy(DEFAULTS)

@@ -100,6 +100,8 @@ def sample_forks(sweep: CfgNode) -> list[dict[str, Any]]:
             cx = complexity(cfg)
             why = constraints.violation(cfg, cx, cx_ranges, exprs)
         except ConfigError as e:
+            if "unknown config key" in str(e):  # a typo in the sweep, not a sample
+                raise ConfigError(f"SETUP.SAMPLERS / SETUP.DERIVED: {e}") from None
             why = f"invalid config: {e}"
         if why:
             refused[why] += 1

@@ -283,6 +283,22 @@ def test_too_few_valid_samples_says_why(tmp_path):
         sample_forks(sweep)
 
 
+def test_a_misspelled_sampler_key_is_named_at_once(tmp_path):
+    typo = {"VIT.NUM_LAYER": {"TYPE": "grid_sampler", "VALUES": [1, 2]}}
+    sweep = load_sweep_cfg(_write_sweep(tmp_path, SAMPLERS=typo))
+    with pytest.raises(ConfigError) as e:
+        sample_forks(sweep)
+    assert str(e.value).startswith(
+        "SETUP.SAMPLERS / SETUP.DERIVED: unknown config key VIT.NUM_LAYER"
+    )
+    assert "NUM_LAYERS" in str(e.value)
+    # A sweep config with a section twice: refused at the second one.
+    path = tmp_path / "twice.yaml"
+    path.write_text("NAME: a\nSETUP: {NUM_CONFIGS: 2}\nSETUP: {NUM_CONFIGS: 3}\n")
+    with pytest.raises(ConfigError, match="at line 3, column 1: SETUP given twice"):
+        load_sweep_cfg(str(path))
+
+
 def test_setup_refuses_a_started_sweep(tmp_path):
     sweep = load_sweep_cfg(_write_sweep(tmp_path, SAMPLERS=LR_DEPTH))
     setup_sweep(sweep)

@@ -380,6 +380,21 @@ def test_file_errors(tmp_path):
     child.write_text("_BASE_: typo.yaml\nOPTIM:\n  BASE_LR: 0.1\n")
     with pytest.raises(ConfigError, match=r"BATCH_SIZE'\?\) \(in .*typo.yaml\)$"):
         load_cfg(str(child))
+    # A section given twice would drop the first's keys; a key twice, its value.
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("TRAIN:\n  IM_SIZE: 16\nVIT:\n  NUM_LAYERS: 2\nTRAIN:\n  X: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_cfg(str(twice))
+    assert str(e.value) == (
+        f"config file {twice} is not valid YAML at line 5, column 1: TRAIN given twice"
+    )
+    twice.write_text("VIT:\n  NUM_LAYERS: 2\n  NUM_LAYERS: 3\n")
+    with pytest.raises(ConfigError, match="line 3, column 3: NUM_LAYERS given twice"):
+        load_cfg(str(twice))
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=f"^config file {empty} is empty: it sets"):
+        load_cfg(str(empty))
 
 
 def test_dump_round_trip(tmp_path):
