@@ -10,6 +10,7 @@ import logging
 import os
 
 from pycls_fast.checkpoint.run_record import check_rerun
+from pycls_fast.components.float8 import check_fp8_launch
 from pycls_fast.config import check_launch
 from pycls_fast.datasets.images.transforms import build_transform
 from pycls_fast.datasets.loader import check_data
@@ -36,6 +37,7 @@ def main():
     parser = config_parser("Train a model (logs, checkpoints and plots in OUT_DIR).")
     cfg = cfg_from_args(parser.parse_args())
     check_launch(cfg)  # what to run is refused before what to read
+    check_fp8_launch(cfg)
     # TRAIN.AUGMENT checked before OUT_DIR exists, on the host and on the device.
     build_transform(cfg, train=True)
     DeviceBatchTransform(cfg, "cpu")

@@ -28,6 +28,7 @@ splits and all-gather the sequence-parallel activations in float8.
 """
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import torch
@@ -60,6 +61,11 @@ def fp8_enabled(cfg: CfgNode) -> bool:
 
 def require_torchao() -> None:
     """UserError in one line when torchao (setup.py's extra 'fp8') is missing."""
+    # torchao registers an Enum as a pytree node on import, which torch logs as a
+    # deprecation warning on the user's terminal: torchao's to mend, not the user's.
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    level = pytree_log.level
+    pytree_log.setLevel(logging.ERROR)
     try:
         import torchao.float8  # noqa: F401
     except ImportError as e:
@@ -67,6 +73,22 @@ def require_torchao() -> None:
             f"AMP.FP8 True needs torchao ({e}): pip install 'torchao>=0.18' (the "
             "package's extra 'fp8'; the locks pin it)"
         ) from None
+    finally:
+        pytree_log.setLevel(level)
+
+
+def check_fp8_launch(cfg: CfgNode) -> None:
+    """Before a local launch starts any rank: UserError (one line) when AMP.FP8
+    cannot run on this machine (torchao missing; no float8 matmuls on its first
+    GPU, or no GPU). A SLURM job's nodes are checked where they run."""
+    if not fp8_enabled(cfg) or cfg.LAUNCH.MODE == "slurm":
+        return
+    require_torchao()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    refusal = fp8_device_refusal(device, cfg.AMP.FP8_EMULATE)
+    if refusal:
+        raise UserError(refusal)
 
 
 def fp8_device_refusal(device: torch.device, emulate: bool) -> str | None:
@@ -198,10 +220,12 @@ def float8_scale_updater(model: nn.Module) -> Callable[[], None] | None:
 
 
 def compile_warning(cfg: CfgNode) -> str | None:
-    """The warning for AMP.FP8 without TRAIN.COMPILE: eager float8 runs each
+    """The warning for AMP.FP8 run eagerly (neither TRAIN.COMPILE nor
+    TRAIN.CUDA_GRAPHS, which compiles the model): eager float8 runs each
     scale and cast as its own kernels, slower than bf16 (torchao fuses them through
     torch.compile)."""
-    if fp8_enabled(cfg) and cfg.TRAIN.COMPILE == "off" and not cfg.AMP.FP8_EMULATE:
+    compiled = cfg.TRAIN.COMPILE != "off" or cfg.TRAIN.CUDA_GRAPHS  # graphs compile
+    if fp8_enabled(cfg) and not compiled and not cfg.AMP.FP8_EMULATE:
         return (
             "AMP.FP8 without TRAIN.COMPILE: float8's casts run unfused, usually "
             "slower than bf16; set TRAIN.COMPILE block"
@@ -222,6 +246,7 @@ __all__ = [
     "FLOAT8_LAYERS",
     "require_torchao",
     "FP8_EPS",
+    "check_fp8_launch",
     "compile_warning",
     "convert_to_float8",
     "describe_float8",

@@ -34,6 +34,20 @@ BASE = [
 ]  # fmt: skip
 
 
+def test_float8_on_a_cpu_is_refused_before_out_dir_exists(tmp_path):
+    out = tmp_path / "run"
+    result = run_tool("train_net.py", "--cfg", DIGITS_CFG, "OUT_DIR", str(out),
+                      "AMP.FP8", "True")  # fmt: skip
+    assert result.returncode == 2
+    # One line: neither torch's warning at torchao's import nor a rank's log.
+    assert result.stderr.strip() == (
+        "error: AMP.FP8 True needs a GPU with float8 matmuls (compute capability "
+        "8.9+: H100, H200, L4), but this run has a cpu device: set AMP.FP8 False "
+        "(AMP.FP8_EMULATE True emulates them in fp32, for tests)"
+    )
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     "layout, micro",
     [(["FSDP.ENABLED", "True"], 2), (["PARALLEL.PP", "2"], 4)],

@@ -180,6 +180,9 @@ def test_compile_warning_and_tp_styles():
     assert "TRAIN.COMPILE" in compile_warning(cfg)
     assert compile_warning(with_overrides(cfg, {"TRAIN.COMPILE": "block"})) is None
     assert compile_warning(get_cfg()) is None
+    # CUDA graphs compile the whole model: the casts are fused there too.
+    graphs = with_overrides(cfg, {"TRAIN.CUDA_GRAPHS": True})
+    assert compile_warning(graphs) is None
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
 
     assert float8_tp_styles(cfg, "cuda")["colwise"] is Float8ColwiseParallel
