@@ -258,7 +258,10 @@ def _check_format(cfg):
         )
 
 
-def _index(cfg, split):
+def _index(cfg, split, check_train_classes=False):
+    """The index of `split`; with `check_train_classes`, its class folders checked
+    against the train split's first (a stray or missing folder named, before the
+    NUM_CLASSES check that it would otherwise trip)."""
     _check_format(cfg)
     if cfg.DATA.FORMAT == "shards":
         index = load_shard_index(cfg.DATA.PATH, split)
@@ -266,12 +269,46 @@ def _index(cfg, split):
         use_cache = cfg.DATA.INDEX_CACHE and not is_remote(cfg.OUT_DIR)
         cache = os.path.join(cfg.OUT_DIR, "data_index") if use_cache else None
         index = load_index(cfg.DATA.PATH, split, cache)
+    if check_train_classes:
+        _check_train_classes(cfg, index)
     if len(index.classes) > cfg.MODEL.NUM_CLASSES:
         raise ConfigError(
             f"MODEL.NUM_CLASSES ({cfg.MODEL.NUM_CLASSES}) is smaller than the "
             f"{len(index.classes)} class folders in {index.split_dir}"
         )
     return index
+
+
+def _check_train_classes(cfg, index) -> None:
+    """UserError naming the differing folders when the index's class folders are
+    not the train split's (labels would mean other classes). Shards are written
+    with their train split's classes (pack_dataset.py); folders numbered 0..N-1
+    stand for the train split's N classes in order."""
+    train_dir = os.path.join(cfg.DATA.PATH, cfg.TRAIN.SPLIT)
+    if cfg.DATA.FORMAT == "shards" or cfg.TRAIN.SPLIT == cfg.TEST.SPLIT:
+        return
+    if not os.path.isdir(train_dir):
+        return
+    train_classes = sorted(
+        e.name for e in os.scandir(train_dir) if e.is_dir() and e.name[0] != "."
+    )
+    by_number = index.classes == [str(i) for i in range(len(train_classes))]
+    if train_classes == index.classes or by_number:
+        return
+    parts = []
+    for what, names in (
+        ("only here", sorted(set(index.classes) - set(train_classes))),
+        (f"only in {cfg.TRAIN.SPLIT}", sorted(set(train_classes) - set(index.classes))),
+    ):
+        if names:
+            shown = ", ".join(names[:5]) + (
+                f", ... ({len(names)})" if names[5:] else ""
+            )
+            parts.append(f"{what}: {shown}")
+    raise UserError(
+        f"class folders of {index.split_dir} differ from those of {train_dir} "
+        f"({'; '.join(parts)}): labels would name other classes"
+    )
 
 
 def _per_rank(cfg, key, world_size):
@@ -383,21 +420,7 @@ def construct_test_loader(cfg, rank=None, world_size=None, class_subset=False):
     labels to the model's classes: engine/test_sets.py) they may be some of them.
     """
     rank, world_size = sharding.rank_and_world_size(rank, world_size)
-    index = _index(cfg, cfg.TEST.SPLIT)
-    train_dir = os.path.join(cfg.DATA.PATH, cfg.TRAIN.SPLIT)
-    if cfg.DATA.FORMAT == "shards":
-        pass  # pack_dataset.py writes every split with the classes of its train split.
-    elif class_subset:
-        pass
-    elif cfg.TRAIN.SPLIT != cfg.TEST.SPLIT and os.path.isdir(train_dir):
-        train_classes = sorted(
-            e.name for e in os.scandir(train_dir) if e.is_dir() and e.name[0] != "."
-        )
-        by_number = index.classes == [str(i) for i in range(len(train_classes))]
-        if train_classes != index.classes and not by_number:
-            raise UserError(
-                f"class folders of {index.split_dir} differ from those of {train_dir}"
-            )
+    index = _index(cfg, cfg.TEST.SPLIT, check_train_classes=not class_subset)
     batch_size = _per_rank(cfg, "TEST.BATCH_SIZE", world_size)
     batches = sharding.test_batches(len(index), batch_size, rank, world_size)
     return _loader(cfg, index, False, lambda epoch: batches)

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -240,8 +241,24 @@ def test_test_classes_must_match_train(tmp_path):
     make_image_folder(
         root, splits=("val",), num_classes=2, images_per_class=2, size=(40, 40)
     )
-    with pytest.raises(UserError, match="class folders of .*val differ"):
+    with pytest.raises(UserError) as e:
         construct_test_loader(_cfg(root, tmp_path))
+    val, train = os.path.join(root, "val"), os.path.join(root, "train")
+    assert str(e.value) == (
+        f"class folders of {val} differ from those of {train} (only in train: "
+        "n00000002): labels would name other classes"
+    )
+    # A stray folder among the train split's classes, past MODEL.NUM_CLASSES: named
+    # as the stray it is, not as too few classes.
+    make_image_folder(
+        root, splits=("val",), num_classes=3, images_per_class=2, size=(40, 40)
+    )
+    stray = os.path.join(val, "n00000001 copy")
+    shutil.copytree(os.path.join(val, "n00000001"), stray)
+    with pytest.raises(UserError, match=r"\(only here: n00000001 copy\)"):
+        construct_test_loader(_cfg(root, tmp_path))
+    shutil.rmtree(stray)
+    construct_test_loader(_cfg(root, tmp_path))
 
 
 def test_index_cache_written_in_out_dir(data_root, tmp_path):
