@@ -13,6 +13,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -130,21 +131,25 @@ def main():
     )
     record = {}
     best = {}
-    for shape in shapes:
-        for dname in dtypes:
-            res = bench(shape, dname, args.batch, args.reps, args.iters, device)
-            record[f"{shape}/{dname}"] = res
-            ref = res["explicit"]
-            print(f"\n{shape} (heads, seq, head_dim) = {SHAPES[shape]}, {dname}")
-            print("| kernel | fwd ms | fwd+bwd ms | fwd+bwd vs explicit |")
-            print("|---|---:|---:|---:|")
-            for k, r in sorted(res.items(), key=lambda kv: kv[1]["fwdbwd_ms"]):
-                ratio = ref["fwdbwd_ms"] / r["fwdbwd_ms"]
-                print(
-                    f"| {k} | {r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.2f} | {ratio:.2f}x |"
-                )
-            fastest = min(res, key=lambda k: res[k]["fwdbwd_ms"])
-            best.setdefault(dname, []).append(fastest)
+    cells = [(shape, dname) for shape in shapes for dname in dtypes]
+    # A line per cell with the time left, from the cells done: a run takes
+    # minutes on a CPU.
+    start = time.monotonic()
+    for done, (shape, dname) in enumerate(cells):
+        left = (time.monotonic() - start) / done * (len(cells) - done) if done else 0
+        eta = f", ~{left:.0f} s left" if done else ", timing the first"
+        print(f"[{done + 1}/{len(cells)}] {shape} {dname}{eta}", file=sys.stderr)
+        res = bench(shape, dname, args.batch, args.reps, args.iters, device)
+        record[f"{shape}/{dname}"] = res
+        ref = res["explicit"]
+        print(f"\n{shape} (heads, seq, head_dim) = {SHAPES[shape]}, {dname}")
+        print("| kernel | fwd ms | fwd+bwd ms | fwd+bwd vs explicit |")
+        print("|---|---:|---:|---:|")
+        for k, r in sorted(res.items(), key=lambda kv: kv[1]["fwdbwd_ms"]):
+            ratio = ref["fwdbwd_ms"] / r["fwdbwd_ms"]
+            print(f"| {k} | {r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.2f} | {ratio:.2f}x |")
+        fastest = min(res, key=lambda k: res[k]["fwdbwd_ms"])
+        best.setdefault(dname, []).append(fastest)
     print("\nfastest forward+backward per dtype (one per shape):")
     for dname, names in best.items():
         print(f"  {device.type}/{dname}: {', '.join(names)}")

@@ -66,7 +66,7 @@ REDUCTIONS = [
     ("README.md", ".venv/bin/python tools/convert_weights.py", "skip",
      "needs the user's timm checkpoint file (no downloads); test_tools converts one"),
     ("README.md", "make bench-attention", "skip",
-     "a benchmark of minutes; benchmarks/attention.py has its own test"),
+     "a benchmark of minutes; test_bench_attention_says_where_it_is runs it tiny"),
     ("DATA.md", ".venv/bin/python tools/prepare_imagenet.py", "skip",
      "needs the ImageNet archives; test_prepare_imagenet runs it on small ones"),
     ("DATA.md", ".venv/bin/python tools/train_net.py", "config",

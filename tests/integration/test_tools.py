@@ -48,6 +48,20 @@ def test_bench_help_lists_the_documented_options(name):
     assert_help_lists(f"benchmarks/{name}.py", run_benchmark(name, "--help"))
 
 
+def test_bench_attention_says_where_it_is():
+    tiny = ["--batch", "1", "--reps", "1", "--iters", "1", "--json"]
+    result = run_benchmark(
+        "attention", "--shapes", "vit-s", "--dtypes", "fp32,bf16", *tiny
+    )
+    assert result.returncode == 0, result.stderr
+    progress = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    assert progress[0] == "[1/2] vit-s fp32, timing the first"
+    assert re.fullmatch(r"\[2/2\] vit-s bf16, ~\d+ s left", progress[1])
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(record["results"]) == {"vit-s/fp32", "vit-s/bf16"}
+    assert "sdpa" in record["results"]["vit-s/fp32"]
+
+
 def test_info_net_json():
     result = run_tool("info_net.py", "--cfg", "configs/pycls/ViT-P-18GF.yaml", "--json")
     assert result.returncode == 0, result.stderr
