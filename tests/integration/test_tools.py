@@ -275,6 +275,10 @@ def test_check_node_on_cpu_reports_every_check():
     assert verdicts["loader vs step demand"] in ("ok", "warning")
     table = result.stdout.splitlines()
     assert any(x.startswith("DDP vs FSDP, 2 CPU processes, gloo") for x in table)
+    # A line per check as it starts, the table at the end.
+    phases = [x.split(" (")[0] for x in result.stderr.splitlines() if "] " in x]
+    assert phases == [f"check_node: [{i + 1}/4] {name}" for i, name in
+                      enumerate(["amp", "parallel", "matmul", "loader"])]  # fmt: skip
     # The recipe's cores per GPU: its CPU per image times the step's images/s, and a
     # warning exactly when that passes this machine's cores.
     cores = next(r for r in rows if r["check"].startswith("loader cores per GPU"))
@@ -399,12 +403,30 @@ def test_mutation_targets_name_tests_that_exist_and_equivalents_that_exist():
     assert set(tool.EQUIVALENT) <= keys, set(tool.EQUIVALENT) - keys
 
 
-def test_check_node_names_where_the_policy_runs_and_when_to_move_it(monkeypatch):
+def _check_node_tool():
+    """tools/check_node.py as a module."""
     spec = importlib.util.spec_from_file_location(
         "check_node_tool", os.path.join(ROOT, "tools", "check_node.py")
     )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def test_check_node_says_how_short_the_loader_falls():
+    tool = _check_node_tool()
+    # 20% over the step's demand is ok; short of it, how short, in words.
+    assert tool.loader_verdict(1200, 1000) == ("ok", "")
+    verdict, fix = tool.loader_verdict(1335, 1147)
+    assert verdict == "warning"
+    assert fix.startswith("the loader keeps up with 16% to spare, under 20%: raise")
+    assert tool.loader_verdict(900, 1000)[1].startswith(
+        "the loader would starve the step: raise DATA_LOADER.NUM_WORKERS"
+    )
+
+
+def test_check_node_names_where_the_policy_runs_and_when_to_move_it(monkeypatch):
+    tool = _check_node_tool()
     host = load_cfg(None, ["TRAIN.AUGMENT", "rand-m9-mstd0.5-inc1"])
     device = load_cfg(None, ["TRAIN.AUGMENT", "rand-m9-mstd0.5-inc1",
                              "TRAIN.AUGMENT_BACKEND", "device"])  # fmt: skip
