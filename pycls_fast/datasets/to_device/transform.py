@@ -175,12 +175,15 @@ def erase_batch(
             out = torch.where(masks[:, k : k + 1], colors[:, k], out)
         return out
     mask = masks.any(1, keepdim=True)
+    # Written into a tensor like `inputs`: a (B, 1, H, W) mask would otherwise
+    # give a contiguous result for a channels-last batch.
+    out = torch.empty_like(inputs)
     if mode == "const":
-        return inputs.masked_fill(mask, 0.0)
+        return torch.where(mask, inputs.new_zeros(()), inputs, out=out)
     noise = torch.randn(
         inputs.shape, generator=generator, device=inputs.device, dtype=inputs.dtype
     )
-    return torch.where(mask, noise, inputs)
+    return torch.where(mask, noise, inputs, out=out)
 
 
 def one_hot(

@@ -60,6 +60,13 @@ def test_erase_fills_only_the_boxes():
     patch = out[0, :, 2:6, 3:8]
     assert (patch == patch[:, :1, :1]).all()  # one colour per box and channel
     assert (out[1] == 7.0).all()
+    # A channels-last batch stays channels-last, with the same values.
+    last = x.contiguous(memory_format=torch.channels_last)
+    for mode in ("pixel", "rand", "const"):
+        want = erase_batch(x, boxes, mode, torch.Generator().manual_seed(1))
+        got = erase_batch(last, boxes, mode, torch.Generator().manual_seed(1))
+        assert got.is_contiguous(memory_format=torch.channels_last), mode
+        assert torch.equal(got, want), mode
 
 
 def test_random_erasing_in_the_device_transform_resumes_exactly():
