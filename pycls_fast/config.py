@@ -1089,7 +1089,7 @@ _key("MAX_GPUS_PER_NODE", 8, gt=0)
 
 # Output directory (logs, checkpoints, config.yaml); a local path or an fsspec URL
 # (s3://bucket/runs/vit, with the user's s3fs installed), worked on through OUT_MIRROR
-_key("OUT_DIR", "/tmp/pycls_fast")
+_key("OUT_DIR", "/tmp/pycls_fast", check=lambda v: bool(v.strip()), rule="a folder")
 
 # pycls_fast: local mirror folder of a remote OUT_DIR (training writes there, and the
 # checkpoints and logs are uploaded from there); '' = a folder under the system's
