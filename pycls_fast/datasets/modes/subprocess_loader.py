@@ -22,7 +22,8 @@ go to a GPU, so the device copy is asynchronous and needs no staging copy. A slo
 goes back to its child when the batch's last view is gone, and on CUDA once the
 consumer's stream has passed an event recorded after that (the copy out of the slot
 was queued before). Each child keeps enough free slots for its batches in flight
-whatever the consumer holds on to (more are made when it holds many).
+whatever the consumer holds on to (more are made when it holds many); an epoch left
+early gives the child back every slot it took (those of the batches it had not sent).
 
 The children are started at the first epoch and kept for the loader's life; they end
 when this process closes the loader, exits, or is killed (their socket closes).
@@ -37,6 +38,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Iterator
 from multiprocessing.connection import wait
@@ -59,6 +61,9 @@ START_TIMEOUT_S = 120.0
 # Slots beyond a child's batches in flight: the batch the step uses, the one the
 # device prefetcher copies ahead, one whose copy a CUDA event still guards.
 SPARE_SLOTS = 3
+# Seconds a batch may be awaited before a warning (repeated as long as it is awaited):
+# a live child that sends nothing is stuck (a hung read, no slot to decode into).
+STALL_WARNING_S = 300.0
 
 
 def _new_slot(shape: tuple[int, ...]) -> tuple[int, np.ndarray]:
@@ -271,10 +276,23 @@ class SubprocessLoader:
                         child.send(("stop", token))
 
     def _next_batch(self, child: _Child, token: int, seq: int) -> Batch:
+        since = warned = time.monotonic()
         while True:
             self._release()
+            now = time.monotonic()
+            if now - warned >= STALL_WARNING_S:
+                warned = now
+                logger.warning(
+                    "no batch from the loader subprocess (pid %d) for %.0f s "
+                    "(%d slots, %d of them with the consumer); still waiting",
+                    child.pid,
+                    now - since,
+                    len(child.slots),
+                    len(child.held),
+                )
             # While a CUDA event guards a slot, look at it again every millisecond.
-            if self._guarded and not wait([child.sock], 0.001):
+            timeout = 0.001 if self._guarded else warned + STALL_WARNING_S - now
+            if not wait([child.sock], max(0.0, timeout)):
                 continue
             message = child.receive()
             kind = message[0]

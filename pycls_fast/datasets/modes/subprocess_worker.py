@@ -101,12 +101,18 @@ class EpochStopped(Exception):
 
 class Slots:
     """The child's batch buffers (the ImageDecoder's `pool`): a decoding thread
-    takes a free slot for a batch; the parent frees it once the batch is used."""
+    takes a free slot for a batch; the parent frees it once the batch is used.
+
+    A slot is the child's from `get` until `handed_over` (its batch was sent: the
+    parent's until it frees it); the runner thread gives back, with `reclaim`, every
+    slot still taken when an epoch ends, whichever way it ends (finished, abandoned
+    by the parent, an error), once the epoch's decoding threads are done."""
 
     def __init__(self) -> None:
         self.arrays: dict[int, np.ndarray] = {}
         self._by_address: dict[int, int] = {}
         self._free = collections.deque()
+        self._taken: set[int] = set()  # by decoding threads, batch not sent
         self._cv = threading.Condition()
         # The stop event of the epoch being decoded (set by the runner thread).
         self.stop_event = threading.Event()
@@ -136,6 +142,19 @@ class Slots:
                     self._free.append(slot)
             self._cv.notify_all()
 
+    def handed_over(self, slot: int) -> None:
+        """The batch in `slot` was sent: the slot is the parent's to free."""
+        with self._cv:
+            self._taken.discard(slot)
+
+    def reclaim(self) -> None:
+        """Frees the slots taken and not handed over (called between epochs, when no
+        decoding thread is left to write into them)."""
+        with self._cv:
+            self._free.extend(s for s in self._taken if s in self.arrays)
+            self._taken.clear()
+            self._cv.notify_all()
+
     def wake(self) -> None:
         """Wakes the threads waiting in `get`, to see their epoch's stop event."""
         with self._cv:
@@ -148,7 +167,9 @@ class Slots:
                 self._cv.wait()
             if self.stop_event.is_set():
                 raise EpochStopped()
-            array = self.arrays[self._free.popleft()]
+            slot = self._free.popleft()
+            self._taken.add(slot)
+            array = self.arrays[slot]
         if array.shape[1:] != tuple(shape[1:]) or array.shape[0] < shape[0]:
             raise RuntimeError(f"slot of shape {array.shape} for a batch of {shape}")
         return array[: shape[0]]
@@ -190,10 +211,13 @@ def _run_epochs(sock, lock, slots, jobs, threads, prefetch, stats_period):
             )
             for (seq, _), batch in zip(items, engine, strict=True):
                 if stop.is_set():
-                    break
+                    break  # its slot is reclaimed below
                 slot = slots.slot_at(batch.images.untyped_storage().data_ptr())
                 labels = batch.labels.numpy()
                 message = ("batch", token, seq, slot, len(labels), labels, batch.bad)
+                # Before sending: once sent, the parent may free the slot and a
+                # decoding thread take it again.
+                slots.handed_over(slot)
                 send_message(sock, lock, message)
         except EpochStopped:
             pass
@@ -202,8 +226,14 @@ def _run_epochs(sock, lock, slots, jobs, threads, prefetch, stats_period):
                 message = ("error", token, type(e).__name__, str(e))
                 send_message(sock, lock, (*message, traceback.format_exc()))
         finally:
+            # The epoch is over: threads waiting for a slot leave, and closing the
+            # engine waits for the running ones; then the slots of the batches
+            # decoded or being decoded, and not sent, are free again.
+            stop.set()
+            slots.wake()
             if engine is not None:
                 engine.close()
+            slots.reclaim()
 
 
 def _watch_parent(parent_pid):

@@ -1,6 +1,7 @@
 """'subprocess' mode: batches as 'threads' makes them, from child processes, through
 slots of shared memory; its children's errors, deaths and lifetime."""
 
+import copy
 import logging
 import os
 import signal
@@ -12,6 +13,7 @@ import torch
 
 from pycls_fast.datasets.formats.synthetic import make_image_folder
 from pycls_fast.datasets.loader import construct_train_loader
+from pycls_fast.datasets.modes import subprocess_loader
 from pycls_fast.errors import LoaderProcessError, error_line
 from tests.helpers import loader_cfg, one_epoch, shm_held
 
@@ -45,6 +47,17 @@ class RaisingTransform:
 
     def __call__(self, image, rng, out):
         raise RuntimeError("transform bug on purpose")
+
+
+class SlowTransform:
+    """The train transform `inner`, `seconds` slower per image: the same pixels."""
+
+    def __init__(self, inner, seconds):
+        self.inner, self.seconds = inner, seconds
+
+    def __call__(self, image, rng, out):
+        time.sleep(self.seconds)
+        return self.inner(image, rng, out)
 
 
 def test_two_processes_yield_the_threads_batches_resume_and_epochs(data_root, tmp_path):
@@ -88,6 +101,42 @@ def test_an_abandoned_epoch_leaves_the_next_intact(data_root, tmp_path):
     next(batches)
     batches.close()  # the consumer leaves epoch 1 after one batch
     assert _equal(one_epoch(loader, 2), reference)
+    loader.close()
+
+
+@pytest.mark.timeout(60)  # a slot leak shows as a hang in the last epoch
+def test_epochs_abandoned_mid_decoding_give_every_slot_back(data_root, tmp_path):
+    reference = construct_train_loader(loader_cfg(data_root, tmp_path, NUM_CLASSES))
+    loader = _loader(data_root, tmp_path)
+    # Slow images: when the consumer leaves, the batch after the one it took is
+    # still being decoded into a slot (or finished but not yet sent).
+    loader.decoder.transform = SlowTransform(loader.decoder.transform, 0.05)
+    # More abandoned epochs than the child has slots (PREFETCH 4: 8 at first).
+    for epoch in range(12):
+        loader.set_epoch(epoch)
+        batches = iter(loader)
+        next(batches)
+        batches.close()  # as precise BN statistics, or a `break` out of the loop
+    child = loader._subprocess_loader.children[0]
+    assert len(child.slots) < 12  # every epoch's slots were used again
+    assert _equal(one_epoch(loader, 5), one_epoch(reference, 5))
+    loader.close()
+
+
+def test_a_batch_awaited_long_is_reported(data_root, tmp_path, caplog, monkeypatch):
+    loader = _loader(data_root, tmp_path, DATA_LOADER__PREFETCH=1)
+    one_epoch(loader, 0)  # the child started
+    # A new decoder, sent to the child with the next epoch: slow images.
+    loader.decoder = copy.copy(loader.decoder)
+    loader.decoder.transform = SlowTransform(loader.decoder.transform, 0.2)
+    monkeypatch.setattr(subprocess_loader, "STALL_WARNING_S", 0.1)
+    loader.set_epoch(0)
+    batches = iter(loader)
+    with caplog.at_level(logging.WARNING):
+        next(batches)
+    batches.close()
+    pid = loader._subprocess_loader.children[0].pid
+    assert f"no batch from the loader subprocess (pid {pid}) for" in caplog.text
     loader.close()
 
 
