@@ -15,7 +15,6 @@ any checkpoint:
     python tools/test_net.py --run OUT_DIR TEST.WEIGHTS OUT_DIR/avg_last5.pyth
 """
 
-import argparse
 import os
 
 from pycls_fast.checkpoint.averaging import (
@@ -24,11 +23,11 @@ from pycls_fast.checkpoint.averaging import (
     last_checkpoints,
 )
 from pycls_fast.errors import UserError
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 
 
 def _parser():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", metavar="OUT_DIR", help="a train_net.py OUT_DIR")
     source.add_argument(

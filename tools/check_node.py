@@ -18,7 +18,6 @@ that does not fit with a single block is refused in one line. Each line ends in
 one JSON object: {"rows": [{check, result, verdict, fix}]}.
 """
 
-import argparse
 import functools
 import json
 import os
@@ -34,7 +33,7 @@ from pycls_fast.config import load_cfg, with_overrides
 from pycls_fast.engine import timing
 from pycls_fast.engine.trainer import build_components, seed_everything, train_step
 from pycls_fast.errors import UserError
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 from pycls_fast.launch.processes import launch
 from pycls_fast.parallel.planner import device_gib, fit_in_one_process
 from pycls_fast.runtime import distributed
@@ -325,7 +324,7 @@ def print_table(rows):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cfg", dest="cfg_file", default=TINY_CFG)
     parser.add_argument("--steps", type=int, default=10, help="training steps")
     parser.add_argument("--tolerance", type=float, default=0.05)

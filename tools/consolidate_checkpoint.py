@@ -11,16 +11,15 @@ optimizer state stays in the sharded checkpoint (resuming reads that directly, a
 world size).
 """
 
-import argparse
 import os
 
 from pycls_fast.checkpoint import sharded
 from pycls_fast.errors import UserError
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", help="sharded checkpoint directory (*.dcp)")
     parser.add_argument("dst", help="single checkpoint file to write (*.pyth)")
     args = parser.parse_args()

@@ -6,18 +6,17 @@
 With --check, exits 1 if docs/CONFIG.md is out of date (tests run this).
 """
 
-import argparse
 import os
 
 from pycls_fast.config_doc import render
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "CONFIG.md")
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="fail if out of date")
     args = parser.parse_args()
     text = render()

@@ -14,7 +14,6 @@ attribute or item, a return, a break or continue). Logging calls, error messages
 annotations are left alone. Results: out/mutation/results.json and report.md.
 """
 
-import argparse
 import ast
 import copy
 import json
@@ -28,7 +27,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -637,7 +636,7 @@ def select(args) -> list[ModuleResult]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--per-module", type=int, default=6,
                         help="mutants sampled per module (default 6)")  # fmt: skip
     parser.add_argument("--all", action="store_true", help="every mutant, no sample")

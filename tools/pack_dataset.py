@@ -10,17 +10,15 @@ shards.json. Rerunning after an interruption keeps the finished shards. A URL ou
 needs its fsspec package (s3fs for s3://).
 """
 
-import argparse
-
 from pycls_fast.datasets.formats.index import load_index
 from pycls_fast.datasets.formats.pack import pack_split
 from pycls_fast.datasets.formats.progress import progress_printer
 from pycls_fast.errors import UserError
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", required=True, help="folder dataset root")
     parser.add_argument("--out", required=True, help="output root: a path or URL")
     parser.add_argument("--splits", nargs="+", default=["train", "val"])

@@ -21,12 +21,12 @@ import os
 
 from pycls_fast.config import load_cfg
 from pycls_fast.errors import UserError
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 from pycls_fast.parallel.planner import format_plan, plan
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0], overrides=True)
     parser.add_argument("--cfg", dest="cfg_file", required=True, action="append")
     parser.add_argument(
         "--gpus", default="8", help="GPU counts, comma separated (8,64,512)"

@@ -9,15 +9,14 @@ each, labelled by folder) and the figure goes to --out (default: plots.png in th
 current folder). A dotted vertical line marks where a run resumed.
 """
 
-import argparse
 import os
 
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 from pycls_fast.observe.plots import plot_runs, read_run
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders (OUT_DIR) or log files")
     parser.add_argument("--out", help="PNG to write")
     args = parser.parse_args()

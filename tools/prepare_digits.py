@@ -1,14 +1,12 @@
 #!/usr/bin/env python3
 """Builds the demo dataset: python tools/prepare_digits.py [--root data/digits]."""
 
-import argparse
-
 from pycls_fast.datasets.formats.digits import build_digits_folder
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split(":")[0])
+    parser = ArgumentParser(description=__doc__.split(":")[0])
     parser.add_argument("--root", default="data/digits", help="output folder")
     parser.add_argument("--size", type=int, default=32, help="image side in pixels")
     args = parser.parse_args()

@@ -10,18 +10,17 @@ Interrupted, it continues where it stopped when run again. For network file syst
 or object stores, pack the result into shards next: tools/pack_dataset.py.
 """
 
-import argparse
 import os
 
 from pycls_fast.datasets.formats import prepare
 from pycls_fast.datasets.formats.index import load_index
 from pycls_fast.datasets.formats.progress import progress_printer
 from pycls_fast.errors import UserError
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 
 
 def main():
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__.split("\n")[0],
         epilog="Then: tools/pack_dataset.py --data OUT --out SHARDS for shards.",
     )

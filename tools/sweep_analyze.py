@@ -5,15 +5,13 @@ Writes figures (error vs complexity, vs each swept key, the best runs' curves, t
 error EDF) and ROOT_DIR/NAME/analysis/index.html, one page with the figures and a
 sortable table of the runs."""
 
-import argparse
-
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 from pycls_fast.sweep.config import load_sweep_cfg
 from pycls_fast.sweep.report import analyze_sweep
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep-cfg", required=True, help="sweep config file")
     args = parser.parse_args()
     print(f"wrote {analyze_sweep(load_sweep_cfg(args.sweep_cfg))}")

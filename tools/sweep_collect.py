@@ -4,16 +4,15 @@
 Gathers each run's config, complexity, status (done / failed / incomplete / missing)
 and json_stats into ROOT_DIR/NAME/sweep.json, and prints each run's status."""
 
-import argparse
 import os
 
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 from pycls_fast.sweep.collect import SWEEP_FILE, collect_sweep
 from pycls_fast.sweep.config import load_sweep_cfg, sweep_dir
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep-cfg", required=True, help="sweep config file")
     args = parser.parse_args()
     sweep = load_sweep_cfg(args.sweep_cfg)

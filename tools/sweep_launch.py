@@ -11,13 +11,12 @@ job (train_net's LAUNCH.MODE, with the sweep's LAUNCH resources) and waits for i
 Finished runs are skipped, stopped ones resume, failed ones are rerun only with
 --retry-failed. Exit status 1 when a run failed."""
 
-import argparse
 import os
 import sys
 
 from pycls_fast.config import load_cfg
 from pycls_fast.errors import PyclsFastError
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 from pycls_fast.sweep.config import load_sweep_cfg
 from pycls_fast.sweep.launcher import (
     Job,
@@ -39,7 +38,7 @@ def train_command(job: Job, launch=None) -> list[str]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep-cfg", required=True, help="sweep config file")
     parser.add_argument(
         "--retry-failed", action="store_true", help="rerun the runs that failed"

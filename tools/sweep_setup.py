@@ -5,16 +5,15 @@ Samples the sweep's config forks (reproducible from SETUP.RNG_SEED) and writes t
 to ROOT_DIR/NAME/cfgs/<run>.yaml, listed with their overrides and complexity in
 ROOT_DIR/NAME/cfgs.json (docs/SWEEPS.md)."""
 
-import argparse
 import os
 
-from pycls_fast.launch.cli import run
+from pycls_fast.launch.cli import ArgumentParser, run
 from pycls_fast.sweep.config import load_sweep_cfg, sweep_dir
 from pycls_fast.sweep.setup import FORKS_FILE, setup_sweep
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep-cfg", required=True, help="sweep config file")
     args = parser.parse_args()
     sweep = load_sweep_cfg(args.sweep_cfg)

@@ -8,6 +8,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from pycls_fast.checkpoint.files import resolve_weights
 from pycls_fast.checkpoint.retention import best_checkpoint
@@ -50,19 +51,90 @@ TIMM_FLAGS = {
 }
 
 
-def check_timm_flags(argv: list[str], own=()) -> None:
-    """UserError, in one line naming the config key, for the first timm flag in
-    `argv` that is not one of the tool's `own` (`--lr 0.01`: `OPTIM.BASE_LR 0.01`)."""
+# Other trainers' flags (pycls forks, detectron2, Swin, mmcv) and what they are here.
+# None: the flag that takes config overrides, which here need no flag.
+OTHER_FLAGS = {
+    "--opts": None,
+    "--cfg-options": None,
+    "--config": "--cfg",
+    "--config-file": "--cfg",
+    "--out-dir": "OUT_DIR",
+    "--output-dir": "OUT_DIR",
+    "--work-dir": "OUT_DIR",
+}
+
+
+def _flag_value(argv: list[str], i: int, value: str, eq: str) -> str:
+    """The value given to the flag argv[i] (`--flag=value` or `--flag value`)."""
+    if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+        return argv[i + 1]
+    return value
+
+
+def _overrides_after(argv: list[str], i: int, value: str) -> str:
+    """The KEY VALUE words that follow the flag argv[i], up to the next flag."""
+    words = [value] if value else []
+    for word in argv[i + 1 :]:
+        if word.startswith("--"):
+            break
+        words.append(word)
+    return " ".join(words)
+
+
+def check_flag_habits(argv: list[str], own=()) -> None:
+    """UserError, in one line naming what to give instead, for the first flag in
+    `argv` of another trainer's habits that is not one of the tool's `own`: timm's
+    (`--lr 0.01`: `OPTIM.BASE_LR 0.01`), `--opts KEY VALUE` (the overrides bare),
+    `--config FILE` (`--cfg FILE`), `--out-dir DIR` (`OUT_DIR DIR`)."""
     for i, arg in enumerate(argv):
+        if arg == "--":
+            return
         flag, eq, value = arg.partition("=")
-        if flag not in TIMM_FLAGS or flag in own:
+        if flag in own or (flag not in TIMM_FLAGS and flag not in OTHER_FLAGS):
             continue
-        if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
-            value = argv[i + 1]
+        if flag in OTHER_FLAGS and OTHER_FLAGS[flag] is None:
+            given = _overrides_after(argv, i, value)
+            example = f": {given}" if given else ", e.g. OPTIM.MAX_EPOCH 1"
+            raise UserError(
+                f"{flag} is not needed here: config overrides go as bare KEY VALUE "
+                f"pairs after the flags{example}"
+            )
+        value = _flag_value(argv, i, value, eq)
+        if flag in OTHER_FLAGS:
+            key = OTHER_FLAGS[flag]
+            what = "--cfg FILE" if key == "--cfg" else f"the config key {key}"
+            example = f": {key} {value}" if value else ""
+            raise UserError(f"{flag} is not a flag here; it is {what}{example}")
         key = TIMM_FLAGS[flag]
         what = key if key.startswith("-") else f"the config key {key}"
         example = f": {key.split(' ')[0]} {value}" if value else ""
         raise UserError(f"{flag} is timm's flag; here it is {what}{example}")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the project's errors: a mistake in the arguments is a UserError,
+    one line (`error: ...`, exit status 2 through `run`), instead of argparse's usage
+    and message; `--help` prints the full usage as before.
+
+    `overrides`: the tool takes KEY VALUE config overrides, and other trainers'
+    flags (timm's `--lr`, `--opts`) are refused naming what to give instead;
+    `intermixed`: options may follow the KEY VALUE pairs."""
+
+    def __init__(self, *args, overrides=False, intermixed=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.overrides = overrides
+        self.intermixed = intermixed
+
+    def parse_args(self, args=None, namespace=None):
+        if self.overrides:
+            argv = sys.argv[1:] if args is None else list(args)
+            check_flag_habits(argv, self._option_string_actions)
+        if self.intermixed:
+            return self.parse_intermixed_args(args, namespace)
+        return super().parse_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message} (see {self.prog} --help)")
 
 
 # Where `--run OUT_DIR` evaluations write their log: beside, not over, the run's.
@@ -76,10 +148,12 @@ def config_parser(
     (`several`: --cfg may be given more than once, `args.cfg_file` is then a list).
     `run`: `--run OUT_DIR` takes the config of a finished run (--cfg is then
     optional); `best`: also `--best`, and the run's checkpoint is evaluated."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=description,
         epilog="KEY VALUE (or KEY=VALUE) pairs override config keys, e.g. "
         "OPTIM.BASE_LR 0.001 (see docs/CONFIG.md).",
+        overrides=True,
+        intermixed=True,  # options may follow KEY VALUE
     )
     if several:
         parser.add_argument(
@@ -104,14 +178,6 @@ def config_parser(
     parser.add_argument(
         "opts", nargs="*", help="config overrides: KEY VALUE or KEY=VALUE ..."
     )
-    parse = parser.parse_intermixed_args  # options may follow KEY VALUE
-
-    def parse_args(args=None, namespace=None):
-        argv = sys.argv[1:] if args is None else list(args)
-        check_timm_flags(argv, parser._option_string_actions)
-        return parse(args, namespace)
-
-    parser.parse_args = parse_args
     return parser
 
 

@@ -121,6 +121,33 @@ def test_user_mistakes_exit_2_with_one_line(args, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    "tool, args, line",
+    [
+        # pycls forks' and detectron2's habit: the overrides behind --opts.
+        ("train_net.py", ["--cfg", EXAMPLE, "--opts", "OPTIM.MAX_EPOCH", "1"],
+         "error: --opts is not needed here: config overrides go as bare KEY VALUE "
+         "pairs after the flags: OPTIM.MAX_EPOCH 1"),
+        ("info_net.py", ["--cfg", EXAMPLE, "--out-dir", "/tmp/x"],
+         "error: --out-dir is not a flag here; it is the config key OUT_DIR: "
+         "OUT_DIR /tmp/x"),
+        ("test_net.py", ["--config", EXAMPLE],
+         f"error: --config is not a flag here; it is --cfg FILE: --cfg {EXAMPLE}"),
+        # argparse's own errors, on tools with parsers of their own too: one line
+        # instead of the usage and the message.
+        ("export.py", ["--run", "out/x", "--format", "tflite", "--dst", "x"],
+         "error: argument --format: invalid choice: 'tflite' (choose from "
+         "'safetensors', 'onnx') (see export.py --help)"),
+        ("plot_log.py", ["--bogus", "run"],
+         "error: unrecognized arguments: --bogus (see plot_log.py --help)"),
+    ],
+)  # fmt: skip
+def test_argument_mistakes_are_one_line_exit_2(tool, args, line):
+    result = run_tool(tool, *args)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [line]
+
+
 @pytest.mark.parametrize("mode", ["slurm", "submitit_local"])
 def test_a_job_that_cannot_be_shaped_is_refused_before_any_work(tmp_path, mode):
     out = tmp_path / "out"

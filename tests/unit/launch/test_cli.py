@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.ladder_dist import rung_configs
 from pycls_fast.config import check_launch
-from pycls_fast.errors import ConfigError
+from pycls_fast.errors import ConfigError, UserError
 from pycls_fast.launch.cli import cfg_from_args, config_parser, without_wandb
 from pycls_fast.launch.submit import job_shape
 from tests.helpers import DIGITS_CFG, ROOT, tiny_cfg
@@ -86,3 +86,32 @@ def test_an_evaluation_skips_wandb_and_says_so(capsys, tmp_path):
         f"{tmp_path}/stdout.log\n"
     )
     assert without_wandb(out) is out and capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--opts", "OPTIM.MAX_EPOCH", "1", "OUT_DIR", "/x"],
+         "--opts is not needed here: config overrides go as bare KEY VALUE pairs "
+         "after the flags: OPTIM.MAX_EPOCH 1 OUT_DIR /x"),
+        (["--cfg-options"],
+         "--cfg-options is not needed here: config overrides go as bare KEY VALUE "
+         "pairs after the flags, e.g. OPTIM.MAX_EPOCH 1"),
+        (["--output-dir=/x"],
+         "--output-dir is not a flag here; it is the config key OUT_DIR: OUT_DIR /x"),
+        (["--bogus"], "unrecognized arguments: --bogus (see test --help)"),
+    ],
+)  # fmt: skip
+def test_argument_mistakes_are_user_errors_of_one_line(argv, message):
+    parser = config_parser("test")
+    parser.prog = "test"
+    with pytest.raises(UserError) as e:
+        parser.parse_args(["--cfg", DIGITS_CFG, *argv])
+    assert str(e.value) == message
+
+
+def test_a_tools_own_flag_is_never_taken_for_a_habit():
+    parser = config_parser("test")
+    parser.add_argument("--out-dir")
+    args = parser.parse_args(["--cfg", DIGITS_CFG, "--out-dir", "/x", "A", "1"])
+    assert args.out_dir == "/x" and args.opts == ["A", "1"]
