@@ -14,6 +14,7 @@ table. The records and the table are also written to OUT_DIR/eval_<checkpoint>.j
 (tools/export.py puts them in the model card)."""
 
 from pycls_fast.checkpoint.files import resolve_weights
+from pycls_fast.checkpoint.weights import check_weights
 from pycls_fast.config import check_launch, with_overrides
 from pycls_fast.datasets.loader import check_data
 from pycls_fast.engine.evaluation import (
@@ -49,6 +50,7 @@ def main():
     cfg = without_wandb(evaluation_out_dir(cfg_from_args(parser.parse_args())))
     check_launch(cfg)  # what to run is refused before what to read
     check_data(cfg, ("test",))  # once, before any rank starts
+    check_weights(cfg, train=False)  # TEST.WEIGHTS too
     for split in cfg.TEST.EXTRA_SPLITS:
         check_data(with_overrides(cfg, {"TEST.SPLIT": split}), ("test",))
     if needs_evaluate(cfg):

@@ -10,6 +10,7 @@ import logging
 import os
 
 from pycls_fast.checkpoint.run_record import check_rerun
+from pycls_fast.checkpoint.weights import check_weights
 from pycls_fast.components.float8 import check_fp8_launch
 from pycls_fast.config import check_launch
 from pycls_fast.datasets.images.transforms import build_transform
@@ -42,6 +43,7 @@ def main():
     build_transform(cfg, train=True)
     DeviceBatchTransform(cfg, "cpu")
     check_data(cfg, ("train", "test"))  # once, before any rank starts
+    check_weights(cfg, train=True)  # TRAIN.WEIGHTS too
     check_rerun(cfg)  # a rerun into OUT_DIR keeps what its checkpoints mean
     results = submit_or_launch(train, cfg)
     if results is None:  # not rank 0

@@ -12,7 +12,7 @@ from yacs.config import CfgNode
 from pycls_fast.checkpoint.files import is_sharded, load_checkpoint, resolve_weights
 from pycls_fast.checkpoint.sharded import CheckpointTensors, read_meta
 from pycls_fast.config import with_overrides
-from pycls_fast.errors import CheckpointError
+from pycls_fast.errors import CheckpointError, UserError
 from pycls_fast.models.pycls_compat import is_pycls_main
 from pycls_fast.models.timm_compat import unwrap_state_dict
 from pycls_fast.parallel.materialize import copy_full_tensors
@@ -317,13 +317,43 @@ def load_model_weights(
     )
 
 
+TEST_WEIGHTS_EMPTY = (
+    "TEST.WEIGHTS is empty: name the checkpoint to evaluate, or evaluate a run's "
+    "newest checkpoint with --run OUT_DIR"
+)
+
+
+def resolve_weights_key(cfg: CfgNode, key: str) -> tuple[str, str]:
+    """resolve_weights of the path that the config key `key` (TRAIN.WEIGHTS,
+    TEST.WEIGHTS) holds; its CheckpointError names the key."""
+    section, name = key.split(".")
+    try:
+        return resolve_weights(cfg[section][name])
+    except CheckpointError as e:
+        raise CheckpointError(f"{key}: {e}") from None
+
+
+def check_weights(cfg: CfgNode, train: bool) -> None:
+    """Checks, once before any rank starts (as check_data checks DATA.PATH), that
+    the weights the run reads exist: TRAIN.WEIGHTS when set (`train`), else
+    TEST.WEIGHTS, which an evaluation needs. A UserError naming the key, instead of
+    every rank failing on it."""
+    if train:
+        if cfg.TRAIN.WEIGHTS:
+            resolve_weights_key(cfg, "TRAIN.WEIGHTS")
+        return
+    if not cfg.TEST.WEIGHTS:
+        raise UserError(TEST_WEIGHTS_EMPTY)
+    resolve_weights_key(cfg, "TEST.WEIGHTS")
+
+
 def resolve_start_weights(cfg: CfgNode) -> CfgNode:
     """`cfg` with TRAIN.WEIGHTS made the checkpoint it names: a run or checkpoints
     folder becomes its newest complete checkpoint (as TEST.WEIGHTS), logged; the
     run's config.yaml then records the file it started from."""
     if not cfg.TRAIN.WEIGHTS:
         return cfg
-    path, how = resolve_weights(cfg.TRAIN.WEIGHTS)
+    path, how = resolve_weights_key(cfg, "TRAIN.WEIGHTS")
     if how == "given":
         return cfg
     logger.info("TRAIN.WEIGHTS %s: %s", cfg.TRAIN.WEIGHTS, how)

@@ -25,8 +25,10 @@ from pycls_fast.checkpoint import CheckpointManager, files
 from pycls_fast.checkpoint.remote import RemoteOut, mirror_dir, pull_on_each_node
 from pycls_fast.checkpoint.run_record import record_config
 from pycls_fast.checkpoint.weights import (
+    TEST_WEIGHTS_EMPTY,
     checkpoint_channel_order,
     resolve_start_weights,
+    resolve_weights_key,
 )
 from pycls_fast.components.optimizer import schedule_warnings
 from pycls_fast.components.precision import apply_backend_flags, describe_precision
@@ -262,11 +264,8 @@ def prepare_test(cfg):
     distributed.check_same_config(cfg)
     seed_everything(cfg.RNG_SEED)
     if not cfg.TEST.WEIGHTS:
-        raise UserError(
-            "TEST.WEIGHTS is empty: name the checkpoint to evaluate, or evaluate a "
-            "run's newest checkpoint with --run OUT_DIR"
-        )
-    path, how = files.resolve_weights(cfg.TEST.WEIGHTS)
+        raise UserError(TEST_WEIGHTS_EMPTY)
+    path, how = resolve_weights_key(cfg, "TEST.WEIGHTS")
     if how != "given":
         logger.info("TEST.WEIGHTS %s: %s", cfg.TEST.WEIGHTS, how)
     return resolve_channel_order(cfg, path), path

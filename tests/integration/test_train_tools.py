@@ -56,6 +56,14 @@ def test_train_net_and_test_net(digits, tmp_path):
             ["NUM_GPUS", "2", "DATA.PATH", "/nonexistent/data"],
             "error: DATA.PATH folder not found: /nonexistent/data",
         ),
+        (
+            ["NUM_GPUS", "2", "TRAIN.WEIGHTS", "/nonexistent/w.pyth"],
+            "error: TRAIN.WEIGHTS: checkpoint not found: /nonexistent/w.pyth",
+        ),
+        (
+            ["NUM_GPUS", "2", "TEST.WEIGHTS", "/nonexistent/w.pyth"],
+            "error: TEST.WEIGHTS: checkpoint not found: /nonexistent/w.pyth",
+        ),
     ],
 )
 def test_user_mistakes_are_one_line_exit_2(digits, tmp_path, opts, message):
@@ -66,6 +74,8 @@ def test_user_mistakes_are_one_line_exit_2(digits, tmp_path, opts, message):
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "rank" not in result.stderr
+    if message.startswith("error: "):
+        assert result.stderr.splitlines() == [message]
 
 
 def test_time_net_json(tmp_path):
