@@ -20,6 +20,7 @@ from pycls_fast.engine.trainer import train_model
 from pycls_fast.errors import Stopped
 from pycls_fast.launch.cli import cfg_from_args, config_parser, run
 from pycls_fast.launch.submit import submit_or_launch
+from pycls_fast.observe.logging import FILE_ONLY
 
 
 def train(cfg):
@@ -29,8 +30,11 @@ def train(cfg):
     except Stopped:
         raise  # logged by the trainer: a requested stop, not a failure
     except Exception as e:
-        if logging.getLogger().handlers:  # keep the reason in OUT_DIR/stdout.log too
-            logging.getLogger("pycls_fast").error("training stopped: %s", e)
+        if logging.getLogger().handlers:  # the reason in OUT_DIR/stdout.log too
+            # Only there: stderr has its line (once, also when every rank fails).
+            logging.getLogger("pycls_fast").error(
+                "training stopped: %s", e, extra={FILE_ONLY: True}
+            )
         raise
 
 

@@ -8,12 +8,17 @@ launcher forwards SIGTERM to spawned ranks and reports a stopped job.
 """
 
 import datetime
+import json
 import logging
 import os
 import random
 import re
+import shutil
 import socket
 import sys
+import tempfile
+import time
+import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -24,11 +29,13 @@ from yacs.config import CfgNode
 from pycls_fast.config import check_launch, with_overrides
 from pycls_fast.errors import (
     ConfigError,
+    PyclsFastError,
     RankFailedError,
     Stopped,
     error_line,
     exit_code,
 )
+from pycls_fast.observe.logging import FILE_ONLY
 from pycls_fast.runtime import preemption
 from pycls_fast.runtime.device_info import check_gpus_usable
 from pycls_fast.runtime.distributed import (
@@ -265,29 +272,27 @@ def _spawn(fn, cfg):
         "LOCAL_WORLD_SIZE": str(n),
     }
     result = mp.get_context("spawn").SimpleQueue()
+    reports = tempfile.mkdtemp(prefix="pycls_fast_ranks_")
     context = mp.start_processes(
         _spawned_worker,
-        args=(fn, cfg, env, result),
+        args=(fn, cfg, env, result, reports),
         nprocs=n,
         start_method="spawn",
         join=False,
     )
     # A SIGTERM sent to this launcher reaches the ranks, which checkpoint and stop.
     previous = preemption.forward_signals(lambda: [p.pid for p in context.processes])
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    spawn_log.addFilter(_quiet_termination)
     try:
         while not context.join():
             pass
     except mp.ProcessExitedException as e:
-        if e.exit_code is not None and e.exit_code > 0:
-            # The rank printed its own error line; end with its status.
-            raise RankFailedError(
-                f"rank {e.error_index} failed (exit status {e.exit_code}); "
-                "the other ranks were stopped",
-                e.exit_code if e.exit_code in (1, 2) else 1,
-            ) from None
-        raise RankFailedError(killed_message(e.error_index, e.signal_name), 1) from None
+        raise _rank_failure(e, reports) from None
     finally:
+        spawn_log.removeFilter(_quiet_termination)
         preemption.restore_signals(previous)
+        shutil.rmtree(reports, ignore_errors=True)
     if result.empty():
         return None
     outcome = result.get()
@@ -296,9 +301,76 @@ def _spawn(fn, cfg):
     return outcome[1]
 
 
-def _spawned_worker(index, fn, cfg, env, result):
+def _quiet_termination(record: logging.LogRecord) -> bool:
+    """Drops torch's "Terminating process N via signal SIGTERM" warning: stopping
+    the other ranks after one failed is the launcher's to do, and not news."""
+    return not str(record.msg).startswith("Terminating process")
+
+
+def _rank_failure(e, reports: str) -> RankFailedError:
+    """The error a spawned job ends with, in one line. A rank killed by a signal
+    (the OOM killer) writes no report: it is named, as the cause of the others'
+    errors. Else the report of the rank that failed first (the others failed on
+    the same mistake, or on its consequences: a collective with a rank gone), the
+    traceback of an unexpected error (a bug) printed above the line."""
+    if e.exit_code is not None and e.exit_code < 0:
+        return RankFailedError(killed_message(e.error_index, e.signal_name), 1)
+    report = _first_report(reports)
+    if report is None:
+        return RankFailedError(
+            f"rank {e.error_index} failed (exit status {e.exit_code}); "
+            "the other ranks were stopped",
+            e.exit_code if e.exit_code in (1, 2) else 1,
+        )
+    if report["traceback"]:
+        print(report["traceback"].rstrip(), file=sys.stderr, flush=True)
+    return RankFailedError(f"rank {report['rank']}: {report['line']}", report["code"])
+
+
+def _first_report(reports: str) -> dict | None:
+    """The earliest failure report that a rank wrote into `reports`, or None."""
+    found = []
+    for name in os.listdir(reports):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(reports, name)) as f:
+                    found.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+    return min(found, key=lambda r: (r["time"], r["rank"])) if found else None
+
+
+def _report_failure(reports: str, index: int, error: BaseException) -> None:
+    """Writes this rank's failure for the launcher, which prints the first one
+    (every rank failing on the same mistake would print it once each): its line,
+    its exit status and, for an unexpected error (not pycls_fast's own: a bug), its
+    traceback, which also goes to the rank's log file (OUT_DIR/stdout.log on rank
+    0) where logging is set up."""
+    when = time.time()
+    line = error_line(error).removeprefix("error: ")
+    unexpected = not isinstance(error, PyclsFastError)
+    if unexpected and logging.getLogger().handlers:
+        logging.getLogger(__name__).error(
+            "rank %d: %s", index, line, exc_info=True, extra={FILE_ONLY: True}
+        )
+    code = exit_code(error)
+    report = {
+        "time": when,
+        "rank": index,
+        "line": line,
+        "code": code if code in (1, 2) else 1,
+        "traceback": traceback.format_exc() if unexpected else "",
+    }
+    path = os.path.join(reports, f"rank_{index}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.replace(path + ".tmp", path)  # whole or absent: the rank may be stopped
+
+
+def _spawned_worker(index, fn, cfg, env, result, reports):
     """Entry point of a spawned rank: its env:// variables, the group, `fn(cfg)`.
-    Errors end the process with pycls_fast's exit statuses (2: user mistake)."""
+    Errors end the process with pycls_fast's exit statuses (2: user mistake),
+    reported to the launcher through the folder `reports` (it prints the first)."""
     os.environ.update(env, RANK=str(index), LOCAL_RANK=str(index))
     code = 0
     try:
@@ -310,8 +382,11 @@ def _spawned_worker(index, fn, cfg, env, result):
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - mapped by type
         out, code = None, exit_code(e)
         if not isinstance(e, KeyboardInterrupt):
-            line = error_line(e).removeprefix("error: ")
-            print(f"error: rank {index}: {line}", file=sys.stderr)
+            try:
+                _report_failure(reports, index, e)
+            except OSError:  # no report folder: the line goes to stderr here
+                line = error_line(e).removeprefix("error: ")
+                print(f"error: rank {index}: {line}", file=sys.stderr)
     if index == 0 and out is not None:
         result.put(out)
     _hard_exit(code)

@@ -2,6 +2,7 @@
 process, sharded checkpoints across world sizes, memory per rank, and failures."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from pycls_fast.config import load_cfg, with_overrides
-from pycls_fast.errors import ConfigError, RankFailedError
+from pycls_fast.errors import ConfigError, RankFailedError, UserError
 from pycls_fast.launch import processes as launch
 from pycls_fast.observe.logging import load_json_stats
 from pycls_fast.runtime import distributed
@@ -326,6 +327,44 @@ def test_mismatched_configs_across_ranks_are_refused():
     with pytest.raises(RankFailedError) as e:
         launch.launch(_differ_on_rank_1, cfg)
     assert e.value.exit_code == 2
+
+
+def _the_same_mistake_on_every_rank(cfg):
+    raise UserError("DATA.PATH folder not found: /nowhere")
+
+
+def test_a_mistake_of_every_rank_is_said_once(capfd, caplog):
+    """One line for the job, the first failing rank's (raised: tools print it), not
+    one per rank on stderr, nor torch's warning that it stops the others."""
+    cfg = load_cfg(None, [*TINY, "NUM_GPUS", "2", "TRAIN.BATCH_SIZE", "16"])
+    with caplog.at_level("WARNING"), pytest.raises(RankFailedError) as e:
+        launch.launch(_the_same_mistake_on_every_rank, cfg)
+    assert re.fullmatch(
+        r"rank [01]: DATA.PATH folder not found: /nowhere", str(e.value)
+    )
+    assert e.value.exit_code == 2
+    err = capfd.readouterr().err
+    assert "/nowhere" not in err and "Terminating process" not in caplog.text + err
+
+
+def _crash_on_rank_1(cfg):
+    if distributed.rank() == 1:
+        raise RuntimeError("boom on rank 1")
+    time.sleep(10)  # still running when rank 1 fails: the launcher stops it
+
+
+def test_a_crashed_rank_is_said_with_its_traceback(capfd, caplog):
+    """An unexpected error (a bug) keeps what a report needs: the traceback of the
+    rank that failed first, on stderr above the job's line."""
+    cfg = load_cfg(None, [*TINY, "NUM_GPUS", "2", "TRAIN.BATCH_SIZE", "16"])
+    with caplog.at_level("WARNING"), pytest.raises(RankFailedError) as e:
+        launch.launch(_crash_on_rank_1, cfg)
+    assert str(e.value) == "rank 1: RuntimeError: boom on rank 1"
+    assert e.value.exit_code == 1
+    err = capfd.readouterr().err
+    assert 'raise RuntimeError("boom on rank 1")' in err, err
+    assert err.rstrip().endswith("RuntimeError: boom on rank 1"), err
+    assert "Terminating process" not in caplog.text + err
 
 
 def _rank_1_groups_last(cfg):

@@ -4,6 +4,7 @@ their output, exit statuses and one-line errors."""
 import csv
 import json
 import os
+import re
 
 import pytest
 
@@ -76,6 +77,23 @@ def test_user_mistakes_are_one_line_exit_2(digits, tmp_path, opts, message):
     assert "rank" not in result.stderr
     if message.startswith("error: "):
         assert result.stderr.splitlines() == [message]
+
+
+def test_a_mistake_every_rank_makes_is_one_line(digits, tmp_path):
+    """Found by the ranks (weights that do not load): the first failing rank's
+    line, once; the ranks' own go to the log, not to stderr."""
+    bad = tmp_path / "bad.pyth"
+    bad.write_text("not a checkpoint")
+    out = tmp_path / "out"
+    args = ["--cfg", DIGITS_CFG, "DATA.PATH", digits, "OUT_DIR", str(out), *SMALL]
+    result = run_tool("train_net.py", *args, "NUM_GPUS", "2", "TRAIN.WEIGHTS", str(bad))
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.splitlines()
+    assert re.fullmatch(f"error: rank [01]: cannot read checkpoint {bad}: .*", line)
+    assert str(bad) not in result.stdout
+    assert f"training stopped: cannot read checkpoint {bad}" in (
+        (out / "stdout.log").read_text()
+    )
 
 
 def test_time_net_json(tmp_path):
