@@ -5,6 +5,7 @@ file), 1 for a runtime failure. Errors are one line on stderr naming what is wro
 """
 
 import argparse
+import difflib
 import os
 import sys
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from pycls_fast.checkpoint.retention import best_checkpoint
 from pycls_fast.config import load_cfg, with_overrides
 from pycls_fast.errors import UserError, error_line, exit_code
 from pycls_fast.launch.processes import exit_process, under_torchrun
-from pycls_fast.models.timm_names import timm_config
+from pycls_fast.models.timm_names import timm_config, timm_names
 
 # timm's train.py flags, and the config key each means here.
 TIMM_FLAGS = {
@@ -197,6 +198,13 @@ def cfg_file_and_opts(cfg_file, opts: list) -> tuple:
             shown = os.path.relpath(path)
             print(f"--cfg {cfg_file}: {shown} {' '.join(overrides)}", flush=True)
             return path, overrides + list(opts)
+        if cfg_file.startswith("vit_") and not cfg_file.endswith((".yaml", ".yml")):
+            close = difflib.get_close_matches(cfg_file, timm_names(), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise UserError(
+                f"--cfg {cfg_file}: no such config file, nor a timm ViT name known "
+                f"here ({hint}known: {', '.join(timm_names())}, at any image size)"
+            )
     return cfg_file, opts
 
 

@@ -38,6 +38,16 @@ def test_a_timm_name_is_a_config():
     assert json.loads(result.stdout.strip().splitlines()[-1])["params"] == 22050664
 
 
+def test_a_misspelled_timm_name_gets_the_close_one():
+    result = run_tool("info_net.py", "--cfg", "vit_smal_patch16_224", "--summary")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(
+        "error: --cfg vit_smal_patch16_224: no such config file, nor a timm ViT name "
+        "known here (did you mean vit_small_patch16_224? known: vit_tiny_patch16_224,"
+    )
+
+
 def test_a_bad_augment_string_is_refused_before_out_dir_exists(tmp_path):
     out = tmp_path / "run"
     result = run_tool("train_net.py", "--cfg", DIGITS_CFG, "OUT_DIR", str(out),
