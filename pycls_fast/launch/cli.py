@@ -8,13 +8,14 @@ import argparse
 import difflib
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
 from pycls_fast.checkpoint.files import resolve_weights
 from pycls_fast.checkpoint.retention import best_checkpoint
 from pycls_fast.config import load_cfg, with_overrides
-from pycls_fast.errors import UserError, error_line, exit_code
+from pycls_fast.errors import PyclsFastError, UserError, error_line, exit_code
 from pycls_fast.launch.processes import exit_process, under_torchrun
 from pycls_fast.models.timm_names import timm_config, timm_names
 
@@ -286,10 +287,13 @@ def without_wandb(cfg):
 
 def run(main: Callable[[], int | None]) -> None:
     """Runs `main()` and ends the process: 0, or the failure's one line on stderr
-    and its exit status (errors.exit_code maps it by type)."""
+    and its exit status (errors.exit_code maps it by type). An unexpected error (not
+    pycls_fast's own: a bug to report) has its traceback above the line."""
     try:
         code = main() or 0
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the tools' last line
+        if not isinstance(e, PyclsFastError | KeyboardInterrupt):
+            traceback.print_exc(file=sys.stderr)
         print(error_line(e), file=sys.stderr)
         code = exit_code(e)
     exit_process(code)

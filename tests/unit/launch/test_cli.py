@@ -115,3 +115,28 @@ def test_a_tools_own_flag_is_never_taken_for_a_habit():
     parser.add_argument("--out-dir")
     args = parser.parse_args(["--cfg", DIGITS_CFG, "--out-dir", "/x", "A", "1"])
     assert args.out_dir == "/x" and args.opts == ["A", "1"]
+
+
+def test_a_bug_keeps_its_traceback_a_mistake_is_one_line(capsys):
+    from pycls_fast.errors import UserError
+    from pycls_fast.launch.cli import run
+
+    def mistake():
+        raise UserError("TRAIN.WEIGHTS: checkpoint not found: x.pyth")
+
+    def bug():
+        return {}["missing"]
+
+    with pytest.raises(SystemExit) as e:
+        run(mistake)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: TRAIN.WEIGHTS: checkpoint not found: x.pyth\n"
+    )
+    with pytest.raises(SystemExit) as e:
+        run(bug)
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "Traceback (most recent call last):"
+    assert 'return {}["missing"]' in "\n".join(err)
+    assert err[-2:] == ["KeyError: 'missing'", "error: KeyError: 'missing'"]
