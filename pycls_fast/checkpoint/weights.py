@@ -2,6 +2,7 @@
 
 import logging
 import math
+import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 
@@ -335,12 +336,18 @@ def resolve_weights_key(cfg: CfgNode, key: str) -> tuple[str, str]:
 
 def check_weights(cfg: CfgNode, train: bool) -> None:
     """Checks, once before any rank starts (as check_data checks DATA.PATH), that
-    the weights the run reads exist: TRAIN.WEIGHTS when set (`train`), else
-    TEST.WEIGHTS, which an evaluation needs. A UserError naming the key, instead of
-    every rank failing on it."""
+    the weights the run reads exist: TRAIN.WEIGHTS when set and the teacher's
+    (`train`), else TEST.WEIGHTS, which an evaluation needs. A UserError naming
+    the key, instead of every rank failing on it."""
     if train:
         if cfg.TRAIN.WEIGHTS:
             resolve_weights_key(cfg, "TRAIN.WEIGHTS")
+        teacher = cfg.DISTILL.TEACHER_WEIGHTS
+        if cfg.DISTILL.TYPE != "none" and not os.path.isfile(teacher):
+            raise CheckpointError(
+                f"DISTILL.TEACHER_WEIGHTS: checkpoint not found: {teacher} (a "
+                "checkpoint file: pycls_fast's, pycls's or timm's)"
+            )
         return
     if not cfg.TEST.WEIGHTS:
         raise UserError(TEST_WEIGHTS_EMPTY)

@@ -65,6 +65,18 @@ def test_train_net_and_test_net(digits, tmp_path):
             ["NUM_GPUS", "2", "TEST.WEIGHTS", "/nonexistent/w.pyth"],
             "error: TEST.WEIGHTS: checkpoint not found: /nonexistent/w.pyth",
         ),
+        (
+            [
+                "DISTILL.TYPE",
+                "soft",
+                "DISTILL.TEACHER_CFG",
+                DIGITS_CFG,
+                "DISTILL.TEACHER_WEIGHTS",
+                "/nonexistent/t.pyth",
+            ],
+            "error: DISTILL.TEACHER_WEIGHTS: checkpoint not found: /nonexistent/t.pyth "
+            "(a checkpoint file: pycls_fast's, pycls's or timm's)",
+        ),
     ],
 )
 def test_user_mistakes_are_one_line_exit_2(digits, tmp_path, opts, message):
