@@ -156,6 +156,13 @@ def restore(parts, path: str):
     # only into a run that writes files.
     if not is_sharded and sharded_checkpoints(parts.cfg):
         raise _wrong_layout(path, is_sharded)
+    # Loading an optimizer's state also brings back its groups' settings (weight
+    # decay, betas, momentum, lr scales): the config's, as built, are put back
+    # after it, so that a change accepted with TRAIN.ACCEPT_CHANGES takes effect.
+    settings = [
+        {k: v for k, v in group.items() if k != "params"}
+        for group in parts.optimizer.param_groups
+    ]
     if is_sharded:
         try:
             meta, own = sharded.load(path, parts.trained, parts.optimizer, parts.ema)
@@ -178,6 +185,8 @@ def restore(parts, path: str):
         ranks = state.get("rank_states")
         if ranks and len(ranks) == distributed.world_size():
             state.update(ranks[distributed.rank()])
+    for group, own in zip(parts.optimizer.param_groups, settings, strict=True):
+        group.update(own)
     parts.scaler.load_state_dict(state["scaler_state"])
     guard = getattr(parts, "spike_guard", None)
     if guard is not None and "spike_state" in state:

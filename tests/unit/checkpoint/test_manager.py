@@ -269,3 +269,30 @@ def test_a_file_at_another_world_size_gives_each_rank_its_own_streams(
         draws.append(parts.train_prep.rng.random())
         assert draws[-1] == fresh
     assert draws[0] != draws[1] and draw not in draws
+
+
+def test_accepted_optimizer_settings_apply_after_a_restore(tmp_path):
+    from pycls_fast.checkpoint import manager
+
+    opts = ["OPTIM.OPTIMIZER", "adamw", "OPTIM.WEIGHT_DECAY", "0.05"]
+    saved = build_components(tiny_cfg(*opts), loaders=False)
+    params = [p for g in saved.optimizer.param_groups for p in g["params"]]
+    loss = sum((p.float() ** 2).sum() for p in params)
+    loss.backward()
+    saved.optimizer.step()  # moments to restore
+    path = str(tmp_path / "model_epoch_0001.pyth")
+    torch.save(manager.training_state(saved, 1, 0), path)
+
+    # The run resumed with another weight decay and beta2 (TRAIN.ACCEPT_CHANGES):
+    # the optimizer's moments come from the checkpoint, its settings from the config.
+    changed = ["OPTIM.WEIGHT_DECAY", "0.3", "OPTIM.BETA2", "0.95"]
+    parts = build_components(tiny_cfg(*opts, *changed), loaders=False)
+    built = [dict(g, params=None) for g in parts.optimizer.param_groups]
+    manager.restore(parts, path)
+    assert [dict(g, params=None) for g in parts.optimizer.param_groups] == built
+    assert {g["betas"] for g in parts.optimizer.param_groups} == {(0.9, 0.95)}
+    assert 0.3 in {g["weight_decay"] for g in parts.optimizer.param_groups}
+    for before, after in zip(
+        saved.optimizer.state.values(), parts.optimizer.state.values(), strict=True
+    ):
+        assert torch.equal(before["exp_avg_sq"], after["exp_avg_sq"])
