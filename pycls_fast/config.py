@@ -496,7 +496,8 @@ _key("OPTIM.WARMUP_EPOCHS", 0, ge=0)
 # Exponential moving average (EMA) of the weights, update value (0 turns EMA off)
 _key("OPTIM.EMA_ALPHA", 1e-5, ge=0)
 
-# Iteration period with which to update the EMA weights
+# Iteration period with which to update the EMA weights (after iterations 0, P, 2P,
+# ... of each epoch, as pycls; alpha scales with P and the batch in use)
 _key("OPTIM.EMA_UPDATE_PERIOD", 32, gt=0)
 
 # Multi-tensor-apply optimizer updates (torch foreach / fused) instead of a loop

@@ -35,13 +35,15 @@ def fill_ema(ema: nn.Module, model: nn.Module, device: torch.device) -> nn.Modul
     return ema
 
 
-def ema_alpha(cfg: CfgNode, epoch: float) -> float:
+def ema_alpha(cfg: CfgNode, epoch: float, batch_size: int | None = None) -> float:
     """pycls's EMA update value, made fairly independent of batch size and length.
 
-    alpha = EMA_ALPHA * BATCH_SIZE / MAX_EPOCH * EMA_UPDATE_PERIOD (capped at 1); during
-    warmup the EMA simply copies the weights (alpha = 1).
+    alpha = EMA_ALPHA * batch / MAX_EPOCH * EMA_UPDATE_PERIOD (capped at 1), batch the
+    global batch in use (`batch_size`: a TRAIN.SIZE_SCHEDULE stage's; default
+    TRAIN.BATCH_SIZE); during warmup the EMA simply copies the weights (alpha = 1).
     """
-    adjust = cfg.TRAIN.BATCH_SIZE / cfg.OPTIM.MAX_EPOCH * cfg.OPTIM.EMA_UPDATE_PERIOD
+    batch = cfg.TRAIN.BATCH_SIZE if batch_size is None else batch_size
+    adjust = batch / cfg.OPTIM.MAX_EPOCH * cfg.OPTIM.EMA_UPDATE_PERIOD
     alpha = min(1.0, cfg.OPTIM.EMA_ALPHA * adjust)
     return 1.0 if epoch < cfg.OPTIM.WARMUP_EPOCHS else alpha
 

@@ -193,10 +193,13 @@ def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
                     meter.add(loss.detach(), top1, top5, n, step=it)
             else:
                 step_without_images(parts)
-            if parts.ema is not None and (it + 1) % cfg.OPTIM.EMA_UPDATE_PERIOD == 0:
+            # pycls's cadence: after the step of iterations 0, P, 2P, ... of each
+            # epoch (an epoch shorter than P still updates, warmup copies too).
+            if parts.ema is not None and it % cfg.OPTIM.EMA_UPDATE_PERIOD == 0:
                 # O2 without FSDP: the EMA follows the fp32 masters, not bf16 roundings.
                 masters = parts.master.fp32_state(parts.model) if parts.master else None
-                update_ema(parts.model, parts.ema, ema_alpha(cfg, epoch), masters)
+                alpha = ema_alpha(cfg, epoch, train_stage(cfg, epoch)[1])
+                update_ema(parts.model, parts.ema, alpha, masters)
             if bar is not None:
                 bar.update(1)
             if (it + 1) % cfg.LOG_PERIOD == 0:

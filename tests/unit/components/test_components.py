@@ -383,6 +383,8 @@ def test_ema_follows_pycls_rule():
     assert ema_alpha(cfg, 0) == 1.0  # warmup: copy
     alpha = ema_alpha(cfg, 1)
     assert alpha == pytest.approx(1e-5 * 64 / 4 * 32)
+    # A TRAIN.SIZE_SCHEDULE stage's batch, given: the rule with that batch.
+    assert ema_alpha(cfg, 1, 128) == pytest.approx(1e-5 * 128 / 4 * 32)
     model = build_model(cfg)
     ema = create_ema(model)
     old = ema.head.head_fc.bias.clone()

@@ -258,12 +258,32 @@ def test_o2_ema_follows_the_fp32_master_weights(digits, tmp_path):
 
 def _short(digits, out_dir, *opts):
     """2 epochs of 5 iterations of 256 images, one block, an EMA every 2 iterations
-    (alpha 1e-3 * 256 / 2 * 2 = 0.256 after the warmup epoch), evaluated once."""
+    (after iterations 0, 2, 4 of an epoch, as pycls; alpha 1e-3 * 256 / 2 * 2 =
+    0.256 after the warmup epoch), evaluated once."""
     return _cfg(
         digits, out_dir, "OPTIM.MAX_EPOCH", "2", "TRAIN.BATCH_SIZE", "256",
         "VIT.NUM_LAYERS", "1", "TRAIN.EVAL_PERIOD", "2", "TEST.BATCH_SIZE", "400",
         "OPTIM.EMA_ALPHA", "1e-3", "OPTIM.EMA_UPDATE_PERIOD", "2", *opts,
     )  # fmt: skip
+
+
+def test_an_epoch_shorter_than_the_period_still_updates_the_ema(digits, tmp_path):
+    # 5 iterations an epoch, an update period of 32: pycls updates after the first
+    # iteration of every epoch (here, in warmup, a copy of the weights).
+    cfg = _short(digits, tmp_path, "OPTIM.EMA_UPDATE_PERIOD", "32")
+    seed_everything(0)
+    parts = build_components(cfg, loaders=("train",))
+    after_first = {}
+
+    def keep(epoch, done, iters):
+        if done == 1:
+            after_first.update(
+                {k: v.float().clone() for k, v in parts.model.state_dict().items()}
+            )
+
+    train_epoch(parts, 0, on_iter_end=keep)  # the warmup epoch: alpha 1
+    for k, v in parts.ema.state_dict().items():
+        assert torch.equal(v, after_first[k]), k
 
 
 def test_ema_updates_every_period_with_pycls_alpha(digits, tmp_path):
@@ -275,14 +295,14 @@ def test_ema_updates_every_period_with_pycls_alpha(digits, tmp_path):
 
     def replay(epoch, done, iters):
         # What the EMA must hold: a step of 0.256 towards the weights after
-        # iterations 2, 4, ... of the epoch, and nothing in between.
-        if done % 2 == 0:
-            updates.append(done)
+        # (0-based) iterations 0, 2, 4 of the epoch, and nothing in between.
+        if (done - 1) % 2 == 0:
+            updates.append(done - 1)
             for k, v in parts.model.state_dict().items():
                 ema[k] = torch.lerp(ema[k], v.float(), 0.256)
 
     train_epoch(parts, 1, on_iter_end=replay)  # epoch 2: after the warmup
-    assert updates == [2, 4]
+    assert updates == [0, 2, 4]
     for k, v in parts.ema.state_dict().items():
         # One lerp per update both ways: the same float32 operations.
         torch.testing.assert_close(v, ema[k], rtol=0, atol=0)
