@@ -175,6 +175,11 @@ class ImageLoader:
     def __len__(self):
         return len(self._plan())
 
+    def epoch_length(self, epoch: int) -> int:
+        """The number of batches of `epoch`, whole (TRAIN.SIZE_SCHEDULE stages
+        differ in it)."""
+        return len(self.plan(epoch))
+
     def _batches(self, batches):
         if self.num_workers == 0:  # Debugging: decode in the calling thread.
             return (self.decoder.load_batch(b, self.epoch) for b in batches)

@@ -266,6 +266,8 @@ class Components:
     # This rank's sums of the epoch in training; checkpoints keep them (a Stateful
     # of CheckpointManager) so that an epoch resumed mid-way reports all of it.
     train_meter: EpochMeter = field(default_factory=EpochMeter)
+    # Training iterations per epoch by (image size, batch) stage: iterations_before.
+    stage_lengths: dict[tuple[int, int], int] = field(default_factory=dict)
     # What `weights` loaded (test_model): file, EMA or not, training epoch.
     loaded: LoadedWeights | None = None
     # The training loss (TRAIN.LOSS): (float32 logits, targets) -> mean loss.

@@ -246,12 +246,25 @@ def _log_train_epoch(parts, meter, epoch, iters, lr, skipped):
     return record
 
 
+def iterations_before(parts, epoch: int) -> int:
+    """The training iterations of the epochs before `epoch` (0-based): their batch
+    counts, which TRAIN.SIZE_SCHEDULE's stages change, counted once per stage."""
+    lengths, total = parts.stage_lengths, 0
+    for e in range(epoch):
+        stage = train_stage(parts.cfg, e)
+        if stage not in lengths:
+            lengths[stage] = parts.train_loader.epoch_length(e)
+        total += lengths[stage]
+    return total
+
+
 def _log_train_iter(parts, meter, epoch, it, iters, lr, skipped):
     cfg = parts.cfg
     elapsed = meter.elapsed()
     done = meter.iters
     per_iter = elapsed / max(done, 1)
-    remaining = (iters - it - 1) + (cfg.OPTIM.MAX_EPOCH - epoch - 1) * iters
+    before = iterations_before(parts, epoch)
+    remaining = iterations_before(parts, cfg.OPTIM.MAX_EPOCH) - before - it - 1
     data = parts.train_loader.stats()
     loss, top1, top5, images = distributed.all_reduce_sum(
         [*meter.sums(), float(meter.count)]
@@ -261,6 +274,7 @@ def _log_train_iter(parts, meter, epoch, it, iters, lr, skipped):
         "_type": "train_iter",
         "epoch": f"{epoch + 1}/{cfg.OPTIM.MAX_EPOCH}",
         "iter": f"{it + 1}/{iters}",
+        "global_iter": before + it + 1,  # over the epochs: the curves' x
         "loss": loss / images,
         "top1_err": top1 / images,
         "top5_err": top5 / images,

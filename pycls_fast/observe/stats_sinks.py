@@ -97,6 +97,8 @@ class TensorBoardStats(StatsHandler):
         epoch = fraction(stats.get("epoch"))
         if epoch is None:
             return None
+        if "global_iter" in stats:  # epochs of a TRAIN.SIZE_SCHEDULE differ
+            return int(stats["global_iter"])
         it = fraction(stats.get("iter"))
         if it is not None:
             return (epoch[0] - 1) * it[1] + it[0]

@@ -96,7 +96,9 @@ class WandbStats(StatsHandler):
             if isinstance(value, (int, float)) and not isinstance(value, bool)
         }
         it = fraction(stats.get("iter"))
-        if it is not None:
+        if "global_iter" in stats:  # epochs of a TRAIN.SIZE_SCHEDULE differ
+            data["iteration"] = int(stats["global_iter"])
+        elif it is not None:
             data["iteration"] = (epoch[0] - 1) * it[1] + it[0]
         else:
             data["epoch"] = epoch[0]

@@ -107,6 +107,17 @@ def test_resume_mid_schedule_ends_with_identical_weights(digits, tmp_path):
     epochs = [r for r in load_json_stats(str(full / "stdout.log"))
               if r["_type"] == "train_epoch"]  # fmt: skip
     assert len(epochs) == 3
+
+    def iteration_steps(run):
+        return [(r["iter"], r["global_iter"])
+                for r in load_json_stats(str(run / "stdout.log"))
+                if r["_type"] == "train_iter"]  # fmt: skip
+
+    # The curves' x: iterations over the epochs, 22 of batch 64 then 11 of 128.
+    assert iteration_steps(full) == [
+        ("5/22", 5), ("10/22", 10), ("15/22", 15), ("20/22", 20),
+        ("5/11", 27), ("10/11", 32), ("5/11", 38), ("10/11", 43),
+    ]  # fmt: skip
     # A crash 4 iterations into epoch 2 (the 12 px stage), then a resume.
     crashed = tmp_path / "crashed"
     shutil.copytree(full, crashed)
@@ -120,5 +131,7 @@ def test_resume_mid_schedule_ends_with_identical_weights(digits, tmp_path):
     b = torch.load(crashed / "checkpoints/model_epoch_0003.pyth", weights_only=False)
     for key in a["model_state"]:
         assert torch.equal(a["model_state"][key], b["model_state"][key]), key
+    # Resumed 4 iterations into epoch 2, it counts the same iterations.
+    assert iteration_steps(crashed)[-3:] == iteration_steps(full)[-3:]
     resumed_log = (crashed / "stdout.log").read_text().split("resumed from")[-1]
     assert "resolution stage 2/3 from epoch 2: 12 px, batch 128" in resumed_log
