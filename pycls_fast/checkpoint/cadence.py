@@ -18,19 +18,20 @@ def iteration_checkpoint(
     """The (epoch, iteration) to save after `done` of `iters` iterations of 0-based
     `epoch` under an iteration period (0: none), or None.
 
-    An iteration period that lands on the epoch's last iteration saves it as the
-    start of the next epoch, (epoch + 1, 0), when no epoch checkpoint follows:
-    without it a crash early in the next epoch would lose two periods."""
+    An iteration period that lands on the epoch's last iteration saves (epoch,
+    iters) when no epoch checkpoint follows (without it a crash early in the next
+    epoch would lose two periods): the epoch's iterations done, its end (the
+    train_epoch record, precise BN, the evaluation) still to do on a resume."""
     if not iter_period or done % iter_period:
         return None
-    if done < iters:
-        return epoch, done
-    if epoch_checkpoint_due(epoch, max_epoch, epoch_period):
-        return None  # the epoch checkpoint saves this very position
-    return epoch + 1, 0
+    if done == iters and epoch_checkpoint_due(epoch, max_epoch, epoch_period):
+        return None  # the epoch's own checkpoint follows, after its end
+    return epoch, done
 
 
 def stop_checkpoint(epoch: int, done: int, iters: int) -> tuple[int, int]:
     """The (epoch, iteration) to save when stopping after `done` of `iters`
-    iterations of 0-based `epoch`."""
-    return (epoch, done) if done < iters else (epoch + 1, 0)
+    iterations of 0-based `epoch`: after the last one too, (epoch, iters), so
+    that a resume does the epoch's end (its record, precise BN, its evaluation),
+    which the stop cut off."""
+    return epoch, done

@@ -179,7 +179,9 @@ def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
         meter.reset()  # else it holds the sums restored with the checkpoint
     bar = _progress(iters - start_iter, distributed.is_main())
     skipped_before = parts.scaler.skipped_steps
-    lr = lr_at(cfg, epoch + start_iter / max(iters, 1))
+    # The record's lr if no iteration runs (a resume at the epoch's end, (epoch,
+    # iters)): its last iteration's, as the uninterrupted run reports.
+    lr = lr_at(cfg, epoch + min(start_iter, iters - 1) / max(iters, 1))
     try:
         for it, (inputs, targets) in enumerate(batches, start=start_iter):
             lr = lr_at(cfg, epoch + it / iters)

@@ -40,9 +40,9 @@ def test_iteration_cadence():
     assert [d for d in range(1, 12) if at(0, d)] == [4, 8]
     assert at(1, 8) == (1, 8)
     assert at(0, 8, iter_period=0) is None  # no iteration period
-    # The period lands on an epoch's last iteration: saved as the start of the next
-    # epoch when no epoch checkpoint follows, else left to the epoch checkpoint.
-    assert at(0, 12, iters=12) == (1, 0)
+    # The period lands on an epoch's last iteration: saved there (its end still to
+    # do) when no epoch checkpoint follows, else left to the epoch checkpoint.
+    assert at(0, 12, iters=12) == (0, 12)
     assert at(0, 12, iters=12, epoch_period=1) is None
     assert at(2, 12, iters=12) is None  # the last epoch always has its checkpoint
     assert at(0, 11, iters=11) is None  # 11 is not a multiple of 4
@@ -50,7 +50,8 @@ def test_iteration_cadence():
 
 def test_stop_saves_where_training_is():
     assert stop_checkpoint(1, 5, 11) == (1, 5)
-    assert stop_checkpoint(1, 11, 11) == (2, 0)
+    # After the last iteration: the epoch's end (record, evaluation) still to do.
+    assert stop_checkpoint(1, 11, 11) == (1, 11)
 
 
 def _plant(out_dir, names):

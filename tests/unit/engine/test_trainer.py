@@ -4,6 +4,7 @@ exact resume, test_net, and the errors a user can cause."""
 import math
 import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from pycls_fast.engine.trainer import (
     train_model,
     train_step,
 )
+from pycls_fast.errors import Stopped
 from pycls_fast.launch.processes import launch
 from pycls_fast.observe.logging import load_json_stats
 from tests.helpers import ROOT, digits_cfg, tiny_cfg
@@ -235,6 +237,42 @@ def test_a_batch_of_only_bad_images_is_skipped(digits, tmp_path):
         train_step(plain, inputs, targets)
     for a, b in zip(with_empty.model.parameters(), plain.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_stop_after_an_epochs_last_step_keeps_its_end(digits, tmp_path):
+    # SIGTERM agreed right after epoch 1's last step: the resumed run does what
+    # the stop cut off (epoch 1's record, its evaluation) and ends as one run.
+    opts = ["OPTIM.MAX_EPOCH", "2", "TRAIN.CHECKPOINT_PERIOD", "2"]
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    train_model(_cfg(digits, full, *opts))
+    after_iteration = ckpt.CheckpointManager.after_iteration
+
+    def sigterm_at_epoch_end(self, epoch, done, iters, signum=0):
+        signum = signal.SIGTERM if (epoch, done) == (0, iters) else signum
+        return after_iteration(self, epoch, done, iters, signum)
+
+    ckpt.CheckpointManager.after_iteration = sigterm_at_epoch_end
+    try:
+        with pytest.raises(Stopped):
+            train_model(_cfg(digits, stopped, *opts))
+    finally:
+        ckpt.CheckpointManager.after_iteration = after_iteration
+    (name,) = os.listdir(stopped / "checkpoints")
+    assert name.startswith("model_epoch_0001_iter_")
+    train_model(_cfg(digits, stopped, *opts))
+
+    def epochs(run):
+        keys = ("_type", "epoch", "loss", "top1_err", "top5_err", "lr")
+        return [{k: r[k] for k in keys if k in r}
+                for r in load_json_stats(str(run / "stdout.log"))
+                if r["_type"] in ("train_epoch", "test_epoch")]  # fmt: skip
+
+    assert epochs(stopped) == epochs(full)
+    assert [r["epoch"] for r in epochs(full)] == ["1/2", "1/2", "2/2", "2/2"]
+    a = torch.load(full / "checkpoints/model_epoch_0002.pyth", weights_only=False)
+    b = torch.load(stopped / "checkpoints/model_epoch_0002.pyth", weights_only=False)
+    for key in a["model_state"]:
+        assert torch.equal(a["model_state"][key], b["model_state"][key]), key
 
 
 def test_o2_ema_follows_the_fp32_master_weights(digits, tmp_path):
