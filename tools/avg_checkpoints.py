@@ -43,7 +43,7 @@ def _parser():
 def _choose(args):
     """(checkpoints to average, where to write them)."""
     if args.checkpoints:
-        if args.last or args.best:
+        if args.last is not None or args.best is not None:
             raise UserError("--last / --best choose among --run's checkpoints")
         if not args.dst:
             raise UserError("--checkpoints needs --dst FILE")
@@ -66,7 +66,7 @@ def _choose(args):
 def main():
     args = _parser().parse_args()
     paths, dst = _choose(args)
-    if os.path.isdir(dst):
+    if os.path.isdir(dst) or dst.endswith(os.sep):
         raise UserError(f"--dst {dst} is a directory: name the file to write")
     if any(os.path.abspath(p) == os.path.abspath(dst) for p in paths):
         raise UserError(f"--dst {dst} is one of the checkpoints averaged")

@@ -126,6 +126,22 @@ def test_refusals(run_dir, tmp_path):
         (["--run", str(run_dir), "--last", "9"], "fewer than the 9"),
         (["--run", str(run_dir)], "--last K or --best K"),
         (["--checkpoints", str(tmp_path / "nope.pyth"), "--dst", "x.pyth"], "nope"),
+        # A folder that does not exist yet, named as one (its trailing slash).
+        (
+            ["--run", str(run_dir), "--last", "2", "--dst", f"{tmp_path}/new/"],
+            "is a directory: name the file to write",
+        ),
+        (
+            [
+                "--checkpoints",
+                str(tmp_path / "nope.pyth"),
+                "--last",
+                "0",
+                "--dst",
+                "x.pyth",
+            ],
+            "--last / --best choose among --run's checkpoints",
+        ),
     ]
     for args, text in cases:
         result = run_tool("avg_checkpoints.py", *args)
