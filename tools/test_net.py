@@ -36,10 +36,12 @@ from pycls_fast.storage import is_remote
 
 
 def _report(cfg, records):
-    """Keeps the records beside the log (a local OUT_DIR), named by checkpoint."""
+    """Keeps the records beside the log (a local OUT_DIR), named by checkpoint
+    (and whether its EMA weights were evaluated)."""
     if is_remote(cfg.OUT_DIR):
         return
-    path = write_report(cfg.OUT_DIR, resolve_weights(cfg.TEST.WEIGHTS)[0], records)
+    checkpoint = resolve_weights(cfg.TEST.WEIGHTS)[0]
+    path = write_report(cfg.OUT_DIR, checkpoint, records, cfg.TEST.USE_EMA)
     print(f"evaluation written to {path}", flush=True)
 
 

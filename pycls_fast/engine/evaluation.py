@@ -159,20 +159,24 @@ def format_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def report_path(out_dir: str, checkpoint: str) -> str:
-    """OUT_DIR/eval_<checkpoint name>.json: where the evaluation of `checkpoint` (a
-    file or sharded directory) is kept."""
-    name = os.path.basename(os.path.normpath(checkpoint))
-    return os.path.join(out_dir, f"eval_{os.path.splitext(name)[0]}.json")
+def report_path(out_dir: str, checkpoint: str, ema: bool = False) -> str:
+    """OUT_DIR/eval_<checkpoint name>.json (eval_<name>_ema.json for its EMA
+    weights): where the evaluation of `checkpoint` (a file or sharded directory)
+    is kept."""
+    name = os.path.splitext(os.path.basename(os.path.normpath(checkpoint)))[0]
+    return os.path.join(out_dir, f"eval_{name}{'_ema' if ema else ''}.json")
 
 
-def write_report(out_dir: str, checkpoint: str, records: list[dict]) -> str:
-    """Writes the evaluation of `checkpoint` (its records and their table) to
-    report_path (atomically); returns the path."""
-    path = report_path(out_dir, checkpoint)
+def write_report(
+    out_dir: str, checkpoint: str, records: list[dict], ema: bool = False
+) -> str:
+    """Writes the evaluation of `checkpoint` (its EMA weights with `ema`: its
+    records and their table) to report_path (atomically); returns the path."""
+    path = report_path(out_dir, checkpoint, ema)
     os.makedirs(out_dir, exist_ok=True)
     report = {
         "checkpoint": os.path.abspath(checkpoint),
+        "ema": ema,
         "epoch": records[0]["epoch"] if records else None,
         "records": records,
         "table": format_table(records),
@@ -184,10 +188,11 @@ def write_report(out_dir: str, checkpoint: str, records: list[dict]) -> str:
     return path
 
 
-def read_report(out_dir: str, checkpoint: str) -> dict | None:
-    """The report write_report wrote for `checkpoint` under `out_dir`, or None."""
+def read_report(out_dir: str, checkpoint: str, ema: bool = False) -> dict | None:
+    """The report write_report wrote for `checkpoint` (its EMA weights with `ema`)
+    under `out_dir`, or None."""
     try:
-        with open(report_path(out_dir, checkpoint)) as f:
+        with open(report_path(out_dir, checkpoint, ema)) as f:
             return json.load(f)
     except (OSError, ValueError):
         return None

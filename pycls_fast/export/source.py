@@ -53,15 +53,18 @@ def saved_config(checkpoint: str, opts=()) -> CfgNode:
         return load_cfg(f.name, list(opts))
 
 
-def find_evaluation(checkpoint: str, run_dir: str | None) -> dict | None:
-    """test_net's report of `checkpoint`: in the run's eval/ folder, or in an eval/
-    folder beside the checkpoint or its checkpoints/ folder."""
+def find_evaluation(
+    checkpoint: str, run_dir: str | None, ema: bool = False
+) -> dict | None:
+    """test_net's report of `checkpoint` (of its EMA weights with `ema`): in the
+    run's eval/ folder, or in an eval/ folder beside the checkpoint or its
+    checkpoints/ folder."""
     folder = os.path.dirname(os.path.abspath(checkpoint))
     places = [os.path.join(run_dir, EVAL_DIR)] if run_dir else []
     places += [os.path.join(folder, EVAL_DIR), os.path.join(folder, "..", EVAL_DIR)]
     places += [folder]
     for place in places:
-        report = read_report(place, checkpoint)
+        report = read_report(place, checkpoint, ema)
         if report is not None:
             return report
     return None
@@ -92,5 +95,5 @@ def load_source(
     loaded = load_model_weights(model, checkpoint, use_ema=use_ema)
     model.float().eval()
     return ExportSource(
-        cfg, checkpoint, model, loaded, find_evaluation(checkpoint, run_dir)
+        cfg, checkpoint, model, loaded, find_evaluation(checkpoint, run_dir, use_ema)
     )
