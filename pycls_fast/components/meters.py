@@ -46,6 +46,9 @@ class EpochMeter:
         self._bad = torch.tensor([-1.0, 0.0], dtype=torch.float64)
         self.count = 0
         self.iters = 0
+        # The loss scaler's total of skipped steps when the epoch began (None: not
+        # known), so that the epoch's own count survives a resume mid-epoch.
+        self.skipped_at_start = None
 
     def add(self, loss, top1_err, top5_err, n, step=None):
         values = [torch.as_tensor(v) for v in (loss, top1_err, top5_err)]
@@ -87,6 +90,7 @@ class EpochMeter:
             "count": self.count,
             "iters": self.iters,
             "elapsed": self.elapsed(),
+            "skipped_at_start": self.skipped_at_start,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -97,6 +101,7 @@ class EpochMeter:
         self.count = int(state["count"])
         self.iters = int(state["iters"])
         self.start = time.perf_counter() - float(state["elapsed"])
+        self.skipped_at_start = state.get("skipped_at_start")  # older: None
 
     def summary(self):
         """{loss, top1_err, top5_err, images, img_per_s}, over all processes."""

@@ -178,7 +178,9 @@ def train_epoch(parts, epoch, start_iter=0, on_iter_end=None):
     if start_iter == 0:
         meter.reset()  # else it holds the sums restored with the checkpoint
     bar = _progress(iters - start_iter, distributed.is_main())
-    skipped_before = parts.scaler.skipped_steps
+    if meter.skipped_at_start is None:
+        meter.skipped_at_start = parts.scaler.skipped_steps
+    skipped_before = meter.skipped_at_start
     # The record's lr if no iteration runs (a resume at the epoch's end, (epoch,
     # iters)): its last iteration's, as the uninterrupted run reports.
     lr = lr_at(cfg, epoch + min(start_iter, iters - 1) / max(iters, 1))

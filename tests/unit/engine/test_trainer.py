@@ -275,6 +275,40 @@ def test_a_stop_after_an_epochs_last_step_keeps_its_end(digits, tmp_path):
         assert torch.equal(a["model_state"][key], b["model_state"][key]), key
 
 
+def test_an_epoch_resumed_mid_way_counts_its_skipped_steps(
+    digits, tmp_path, monkeypatch
+):
+    # fp16 with a scale that overflows every step of the epoch: each is skipped.
+    # Resumed 4 iterations in, the epoch's record still counts all of them.
+    from pycls_fast.components.precision import LossScaler
+    from pycls_fast.engine import model_setup
+
+    monkeypatch.setattr(
+        model_setup, "loss_scaler", lambda dtype: LossScaler(True, init_scale=2.0**100)
+    )
+    opts = ["OPTIM.MAX_EPOCH", "1", "TRAIN.CHECKPOINT_ITER_PERIOD", "4",
+            "AMP.MODE", "O1", "AMP.DTYPE", "fp16",
+            "TRAIN.MIXED_PRECISION", "True"]  # fmt: skip
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    train_model(_cfg(digits, full, *opts))
+    shutil.copytree(full, crashed)
+    for path in ckpt.list_checkpoints(str(crashed)):
+        if not path.endswith("model_epoch_0001_iter_000004.pyth"):
+            os.remove(path)
+    train_model(_cfg(digits, crashed, *opts))
+    full_epoch, resumed_epoch = (
+        [r for r in load_json_stats(str(d / "stdout.log"))
+         if r["_type"] == "train_epoch"][-1]
+        for d in (full, crashed)
+    )  # fmt: skip
+    iters = int(
+        [r for r in load_json_stats(str(full / "stdout.log"))
+         if r["_type"] == "train_iter"][0]["iter"].split("/")[1]
+    )  # fmt: skip
+    assert full_epoch["skipped_steps"] == iters
+    assert resumed_epoch["skipped_steps"] == iters
+
+
 def test_o2_ema_follows_the_fp32_master_weights(digits, tmp_path):
     # AMP O2 without FSDP (one process, as under DDP): the EMA is updated from the
     # optimizer's fp32 masters. In warmup the EMA copies them (alpha 1), so it must
