@@ -1,7 +1,8 @@
 """What a sweep's run has left on disk, and its status from that alone:
 
     done        its log holds the final test_epoch record (epoch N/N)
-    failed      it ended (exit_status.json) without that record, not by a stop signal
+    failed      it ended (exit_status.json) without that record, not by a signal
+                (a signal: exit status -N from Popen, or 128 + N from a shell)
     running     a training holds its OUT_DIR's lock (this launcher's or another's)
     incomplete  it started (OUT_DIR exists) but none of these: stopped or killed
     missing     it never started
@@ -23,6 +24,12 @@ EXIT_FILE = "exit_status.json"  # {"exit_code", "seconds"}: written when a run e
 LAUNCH_LOG = "launch.log"  # the run's process output (errors before logging starts)
 STATUSES = ("done", "failed", "running", "incomplete", "missing")
 _STOP_SIGNAL = 128  # exit statuses above: stopped by a signal, resumable
+
+
+def stopped_by_signal(exit_code: int) -> bool:
+    """Whether an exit status means a signal stopped the process: Popen's -N, or a
+    shell's (or SLURM's) 128 + N."""
+    return exit_code < 0 or exit_code > _STOP_SIGNAL
 
 
 def write_json(path: str, data: Any) -> None:
@@ -85,7 +92,7 @@ def run_status(run: Mapping[str, Any], stats: list[dict] | None = None) -> str:
     ended = exit_status(run)
     if is_running(run["out_dir"]):
         return "running"
-    if ended is not None and ended.get("exit_code", 1) < _STOP_SIGNAL:
+    if ended is not None and not stopped_by_signal(ended.get("exit_code", 1)):
         return "failed"
     return "incomplete" if os.path.isdir(run["out_dir"]) else "missing"
 
