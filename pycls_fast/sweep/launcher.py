@@ -26,6 +26,7 @@ from pycls_fast.sweep.runs import (
     EXIT_FILE,
     LAUNCH_LOG,
     failure_line,
+    launch_header,
     records,
     run_status,
     write_json,
@@ -119,7 +120,7 @@ class LocalBackend(Backend):
             os.remove(exit_file)  # a rerun: its old ending no longer holds
         command = self.command(job)
         log = open(os.path.join(job.out_dir, LAUNCH_LOG), "a")  # noqa: SIM115
-        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {command}\n")
+        log.write(launch_header(command))
         log.flush()
         env = self.env
         if self.blocks:

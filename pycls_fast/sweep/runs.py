@@ -14,6 +14,8 @@ files, so a sweep can be launched, collected and relaunched from anywhere.
 import fcntl
 import json
 import os
+import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,12 +99,31 @@ def run_status(run: Mapping[str, Any], stats: list[dict] | None = None) -> str:
     return "incomplete" if os.path.isdir(run["out_dir"]) else "missing"
 
 
+def launch_header(command: Any) -> str:
+    """The line a launcher writes to launch.log before each attempt's output."""
+    return f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {command}\n"
+
+
+_HEADER = re.compile(r"--- \d{4}-\d\d-\d\d \d\d:\d\d:\d\d ")
+
+
 def failure_line(run: Mapping[str, Any]) -> str:
-    """The last error line a failed run printed ('' when none)."""
+    """Why a failed run ended: the last error line its last attempt printed (the
+    lines of launch.log after the last launch header), else that attempt's last line,
+    else its exit status ('' with neither a log nor an exit status)."""
     path = os.path.join(run["out_dir"], LAUNCH_LOG)
-    if not os.path.isfile(path):
-        return ""
-    with open(path, errors="replace") as f:
-        lines = [line.strip() for line in f if line.strip()]
+    lines = []
+    if os.path.isfile(path):
+        with open(path, errors="replace") as f:
+            for line in f:
+                if _HEADER.match(line):
+                    lines = []  # an earlier attempt's output: not this ending's cause
+                elif line.strip():
+                    lines.append(line.strip())
     errors = [line for line in lines if line.startswith("error")]
-    return (errors or lines or [""])[-1][:300]
+    if errors or lines:
+        return (errors or lines)[-1][:300]
+    ended = exit_status(run)
+    if ended is None:
+        return ""
+    return f"no output from the last attempt (exit status {ended.get('exit_code')})"

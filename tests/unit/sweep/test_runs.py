@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from pycls_fast.sweep.runs import run_status, write_json
+from pycls_fast.sweep.runs import failure_line, run_status, write_json
 
 
 def _ended(tmp_path, code):
@@ -23,3 +23,29 @@ def test_a_run_stopped_by_a_signal_is_incomplete(tmp_path, code):
 @pytest.mark.parametrize("code", [1, 2, 127])
 def test_a_run_that_exited_with_an_error_failed(tmp_path, code):
     assert run_status(_ended(tmp_path, code)) == "failed"
+
+
+def _log(tmp_path, text, code=1):
+    run = _ended(tmp_path, code)
+    with open(os.path.join(run["out_dir"], "launch.log"), "w") as f:
+        f.write(text)
+    return run
+
+
+H1 = "--- 2024-01-01 10:00:00 ['python', 'tools/train_net.py']\n"
+H2 = "--- 2024-01-01 11:00:00 ['python', 'tools/train_net.py']\n"
+
+
+def test_the_failure_line_is_the_last_attempts_error(tmp_path):
+    run = _log(tmp_path, H1 + "error: old cause\n" + H2 + "x\nerror: new cause\n")
+    assert failure_line(run) == "error: new cause"
+    run = _log(tmp_path, H1 + "error: old\n" + H2 + "Traceback\nValueError: bad\n")
+    assert failure_line(run) == "ValueError: bad"
+
+
+def test_the_launchers_header_is_never_the_failure_line(tmp_path):
+    run = _log(tmp_path, H1 + "error: an older attempt's cause\n" + H2, code=3)
+    line = failure_line(run)
+    assert not line.startswith("---") and "older" not in line
+    assert "exit status 3" in line
+    assert "exit status 3" in failure_line(_log(tmp_path, H1, code=3))
