@@ -6,7 +6,8 @@
     error_edf.png             the error's empirical distribution (pycls's EDF)
 
 The error of a run is its final test top-1 error; runs without a test record yet are
-left out of the figures (the analysis page's table lists every run).
+left out of the figures (the analysis page's table lists every run). Only finished
+(done) runs rank: the best run (starred) and the best N runs' curves are done ones.
 """
 
 import math
@@ -35,9 +36,21 @@ def key_value(run: Mapping[str, Any], key: str) -> Any:
     return node
 
 
-def ranked(runs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The runs with an error, best (lowest) first."""
+def with_error(runs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The runs with a test error (finished or not), lowest error first."""
     return sorted((r for r in runs if error(r) is not None), key=error)
+
+
+def ranked(runs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The finished (done) runs, best (lowest final error) first: a failed or
+    unfinished run's error is not final, so it never ranks, however low it is."""
+    return [r for r in with_error(runs) if r.get("status") == "done"]
+
+
+def best_name(runs: Sequence[Mapping[str, Any]]) -> str | None:
+    """The name of the sweep's best finished run, None before one finishes."""
+    done = ranked(runs)
+    return done[0]["name"] if done else None
 
 
 def label(run: Mapping[str, Any]) -> str:
@@ -92,11 +105,11 @@ def plot_error_vs(
     """One scatter panel per (x label, run -> x value, log x axis) against the error;
     categorical x values (strings, lists) are spread on a shared ordered axis."""
     plt = _pyplot()
-    done = ranked(runs)
+    done = with_error(runs)
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
-    best = done[0]["name"] if done else None
+    best = best_name(runs)
     for ax, (xlabel, get, log) in zip(axes.flat, panels, strict=False):
         xs = [get(r) for r in done]
         names = [r["name"] for r in done]
@@ -110,7 +123,7 @@ def plot_error_vs(
         ax.set_xlabel(xlabel)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    legend = "numbers: run; red star: best run; dashed: best error at each value"
+    legend = "numbers: run; red star: best done run; dashed: best error at each value"
     fig.suptitle(
         fit_width(f"{title}: {len(done)} runs with a test error ({legend})", fig)
     )
@@ -143,7 +156,7 @@ def key_panels(keys: Sequence[str], log_keys: set[str]) -> list[tuple[str, Any, 
 
 
 def plot_curves(runs: Sequence[Mapping[str, Any]], n: int, path: str) -> str:
-    """Test top-1 error and train loss per epoch of the best `n` runs."""
+    """Test top-1 error and train loss per epoch of the best `n` finished runs."""
     plt = _pyplot()
     best = ranked(runs)[:n]
     fig, (ax_err, ax_loss) = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -172,7 +185,7 @@ def plot_curves(runs: Sequence[Mapping[str, Any]], n: int, path: str) -> str:
 def plot_edf(runs: Sequence[Mapping[str, Any]], path: str) -> str:
     """The fraction of runs with an error below e, against e (pycls's EDF)."""
     plt = _pyplot()
-    errors = sorted(error(r) for r in ranked(runs))
+    errors = [error(r) for r in with_error(runs)]
     fig, ax = plt.subplots(figsize=(5.5, 4))
     if errors:
         fractions = [(i + 1) / len(errors) for i in range(len(errors))]

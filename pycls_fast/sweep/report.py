@@ -89,10 +89,9 @@ def _row(
 def runs_table(
     runs: Sequence[Mapping[str, Any]], keys: Sequence[str], base: str = "."
 ) -> str:
-    """The sortable HTML table of the runs (one row each; the best run is green),
+    """The sortable HTML table of the runs (one row each; the best done run is green),
     linking each run's log relative to the folder `base`."""
-    ranked = analysis.ranked(runs)
-    best = ranked[0]["name"] if ranked else None
+    best = analysis.best_name(runs)
     heads = ["run", "status", *keys, "flops (M)", "params (M)", "epoch time (s)",
              "epochs", "top-1 err (%)", "best top-1 err (%)", "error"]  # fmt: skip
     head = "".join(f"<th>{html.escape(h)}</th>" for h in heads)
