@@ -100,6 +100,25 @@ def load_json_stats(log_file):
     return records
 
 
+def last_per_epoch(records):
+    """The epoch records (train_epoch, test_epoch, ...) with one per (_type, epoch):
+    the last one logged, in epoch order. A run rerun from scratch, or resumed from an
+    older checkpoint, logs some epochs again; its latest record of an epoch holds.
+    (OUT_DIR/epoch_stats.csv keeps the same record per (type, epoch).)"""
+    last = {}
+    for r in records:
+        last[(r.get("_type"), str(r.get("epoch")))] = r
+    return sorted(last.values(), key=lambda r: _epoch_done(r.get("epoch")))
+
+
+def _epoch_done(epoch):
+    """pycls's '3/10' (or 3) as 3; 0 when it is neither."""
+    try:
+        return int(str(epoch).split("/")[0])
+    except ValueError:
+        return 0
+
+
 def format_eta(seconds):
     """'1d 02:03:04' style time."""
     seconds = int(max(seconds, 0))

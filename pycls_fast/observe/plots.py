@@ -5,7 +5,9 @@
 
 A run's curves are per epoch: train and test loss, top-1 and top-5 errors (test and
 EMA test), the learning rate and the training images/s. Where a run resumed from a
-checkpoint, each panel gets a dotted vertical line at that point.
+checkpoint, each panel gets a dotted vertical line at that point. An epoch logged
+more than once (a rerun from scratch, a resume from an older checkpoint) is drawn
+once, from its last record.
 """
 
 import os
@@ -13,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from pycls_fast.errors import UserError
-from pycls_fast.observe.logging import LOG_FILE, load_json_stats
+from pycls_fast.observe.logging import LOG_FILE, last_per_epoch, load_json_stats
 
 # The trainer's line when it resumes: "resumed from PATH (epoch E, iteration I)".
 _RESUMED = re.compile(r"resumed from \S+ \(epoch (\d+), iteration (\d+)\)")
@@ -77,8 +79,13 @@ def read_run(path: str) -> Run:
     return Run(run_name(path), log, records, resume_points(log, records))
 
 
+_EPOCH_TYPES = ("train_epoch", "test_epoch", "test_ema_epoch")
+
+
 def curves(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
-    """{name: (epochs, values)} of the curves in a run's json_stats records."""
+    """{name: (epochs, values)} of the curves in a run's json_stats records: one
+    point per epoch, its last record's (a rerun's epochs replace the earlier ones)."""
+    records = last_per_epoch(r for r in records if r.get("_type") in _EPOCH_TYPES)
     kinds = {
         "train": [r for r in records if r.get("_type") == "train_epoch"],
         "test": [r for r in records if r.get("_type") == "test_epoch"],

@@ -7,7 +7,8 @@ Per run: index, name, status (done / failed / incomplete / missing), overrides (
 swept values), complexity, cfg (the fork as a dict), exit_code, error (a failed run's
 last error line), summary (final and best test top-1 error, epochs done, mean train
 epoch time) and json_stats {train_epoch, test_epoch, test_ema_epoch: [records]} (the
-train_iter records are left out, as pycls does, to keep the file small).
+train_iter records are left out, as pycls does, to keep the file small; an epoch
+logged again by a rerun or a resume keeps its last record, in epoch order).
 """
 
 import collections
@@ -19,6 +20,7 @@ import yaml
 from yacs.config import CfgNode
 
 from pycls_fast.errors import UserError
+from pycls_fast.observe.logging import last_per_epoch
 from pycls_fast.sweep.config import sweep_dir
 from pycls_fast.sweep.runs import (
     exit_status,
@@ -57,9 +59,8 @@ def collect_run(run: Mapping[str, Any]) -> dict[str, Any]:
     """One run's entry of sweep.json (see the module's docstring)."""
     all_records = records(run)
     stats = collections.defaultdict(list)
-    for r in all_records:
-        if r.get("_type") in KEPT_TYPES:
-            stats[r["_type"]].append(r)
+    for r in last_per_epoch(r for r in all_records if r.get("_type") in KEPT_TYPES):
+        stats[r["_type"]].append(r)
     status = run_status(run, all_records)
     ended = exit_status(run) or {}
     with open(run["cfg_file"]) as f:

@@ -77,3 +77,12 @@ def test_plot_log_cli_takes_a_folder_or_its_log(tmp_path, which):
     png = tmp_path / "run" / "plots.png"
     assert result.stdout.strip() == f"wrote {png}"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_rerun_epoch_is_drawn_once_from_its_last_record():
+    """A run rerun from scratch logs epochs 1-3 twice: one point per epoch, the
+    last record's, in epoch order (no zig-zag back to epoch 1)."""
+    first = [_epoch("train_epoch", e, 9.0, 90.0, 50.0) for e in (1, 2, 3)]
+    again = [_epoch("train_epoch", e, 1.0 / e, 10.0, 5.0) for e in (1, 2)]
+    data = curves(first + again)
+    assert data["train loss"] == ([1, 2, 3], [1.0, 0.5, 9.0])

@@ -49,3 +49,34 @@ def test_the_launchers_header_is_never_the_failure_line(tmp_path):
     assert not line.startswith("---") and "older" not in line
     assert "exit status 3" in line
     assert "exit status 3" in failure_line(_log(tmp_path, H1, code=3))
+
+
+def test_collect_keeps_the_last_record_of_each_epoch(tmp_path):
+    """A rerun's epochs replace the earlier attempt's, in epoch order."""
+    from pycls_fast.observe.logging import dump_json_stats
+    from pycls_fast.sweep.collect import collect_run
+
+    run = _ended(tmp_path, 1)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("OPTIM: {BASE_LR: 0.1}\n")
+    run.update(index=0, name="run", cfg_file=str(cfg), overrides={}, complexity={})
+
+    def rec(kind, e, err):
+        return {"_type": kind, "epoch": f"{e}/3", "top1_err": err, "time_epoch_s": 1}
+
+    attempts = [
+        rec(k, e, 90.0) for e in (1, 2, 3) for k in ("train_epoch", "test_epoch")
+    ]
+    attempts += [
+        rec(k, e, 10.0 * e) for e in (1, 2) for k in ("train_epoch", "test_epoch")
+    ]
+    with open(os.path.join(run["out_dir"], "stdout.log"), "w") as f:
+        f.writelines(f"[x] {dump_json_stats(r)}\n" for r in attempts)
+    entry = collect_run(run)
+    tests = entry["json_stats"]["test_epoch"]
+    assert [(r["epoch"], r["top1_err"]) for r in tests] == [
+        ("1/3", 10.0),
+        ("2/3", 20.0),
+        ("3/3", 90.0),
+    ]
+    assert len(entry["json_stats"]["train_epoch"]) == 3
