@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pycls_fast.errors import UserError
 from pycls_fast.observe.logging import LOG_FILE, last_per_epoch, load_json_stats
 
-# The trainer's line when it resumes: "resumed from PATH (epoch E, iteration I)".
-_RESUMED = re.compile(r"resumed from \S+ \(epoch (\d+), iteration (\d+)\)")
+# The trainer's line when it resumes: "resumed from PATH (epoch E, iteration I)";
+# PATH may hold spaces (an OUT_DIR with a space).
+_RESUMED = re.compile(r"resumed from .+ \(epoch (\d+), iteration (\d+)\)")
 
 
 @dataclass

@@ -86,3 +86,8 @@ def test_a_rerun_epoch_is_drawn_once_from_its_last_record():
     again = [_epoch("train_epoch", e, 1.0 / e, 10.0, 5.0) for e in (1, 2)]
     data = curves(first + again)
     assert data["train loss"] == ([1, 2, 3], [1.0, 0.5, 9.0])
+
+
+def test_resume_marked_when_the_folder_has_a_space(tmp_path):
+    log = write_log(str(tmp_path / "my run"), resumed_at=(3, 5))
+    assert read_run(log).resumes == [2.5]
