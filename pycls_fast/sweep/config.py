@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from yacs.config import CfgNode
 
-from pycls_fast.config import read_yaml, yaml_where
+from pycls_fast.config import _DEFAULTS, _flat_keys, _suggest, read_yaml, yaml_where
 from pycls_fast.errors import ConfigError
 from pycls_fast.sweep import constraints
 from pycls_fast.sweep.samplers import load_sampler
@@ -184,11 +184,23 @@ def _check(raw: dict) -> None:
             raise ConfigError(f"SETUP.CONSTRAINTS.CX.{name} must be [LOW, HIGH]")
     for text in setup["CONSTRAINTS"]["EXPRS"] + list(setup["DERIVED"].values()):
         constraints.parse_expr(str(text))
+    _check_metrics(raw["ANALYZE"]["METRICS"])
     if raw["LAUNCH"]["MODE"] not in LAUNCH_MODES:
         raise ConfigError(
             f"LAUNCH.MODE {raw['LAUNCH']['MODE']!r} is not implemented yet: only "
             f"{list(LAUNCH_MODES)} (docs/SWEEPS.md says how to add a backend)"
         )
+
+
+def _check_metrics(metrics: list) -> None:
+    """ANALYZE.METRICS must be training config keys (the error is plotted against
+    each): a typo is refused with the closest key, as the config's errors do."""
+    known = _flat_keys(_DEFAULTS)
+    for key in metrics:
+        if str(key) not in known:
+            raise ConfigError(
+                f"ANALYZE.METRICS: unknown config key {key}{_suggest(str(key), known)}"
+            )
 
 
 def sweep_dir(sweep: CfgNode) -> str:

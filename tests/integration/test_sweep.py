@@ -314,13 +314,18 @@ def test_setup_refuses_a_started_sweep(tmp_path):
         ({"NAME": ""}, "NAME must be set"),
         ({"LAUNCH": {"MODE": "pbs"}}, "not implemented yet"),
         ({"SETUP": {"NUM_CONFIGS": "six"}}, "expected int"),
+        (
+            {"ANALYZE": {"METRICS": ["TRAIN.BATCH_SIZ"]}},
+            "ANALYZE.METRICS: unknown config key TRAIN.BATCH_SIZ "
+            r"\(did you mean 'TRAIN.BATCH_SIZE'\?\)$",
+        ),
     ],
 )
 def test_bad_sweep_configs_name_the_key(tmp_path, change, words):
     path = _write_sweep(tmp_path, SAMPLERS=LR_DEPTH)
     raw = yaml.safe_load(_read(path))
     for k, v in change.items():
-        raw[k] = {**raw[k], **v} if isinstance(v, dict) else v
+        raw[k] = {**raw.get(k, {}), **v} if isinstance(v, dict) else v
     with open(path, "w") as f:
         yaml.safe_dump(raw, f)
     with pytest.raises(ConfigError, match=words):
