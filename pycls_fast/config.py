@@ -1530,12 +1530,6 @@ def check_cfg(cfg: CfgNode) -> None:
             "TRAIN.BCE_BINARY_TARGETS True is the threshold 0: leave "
             "TRAIN.BCE_TARGET_THRESH at 0"
         )
-    if cfg.TEST.IM_SIZE < cfg.TRAIN.IM_SIZE:  # the crop would leave the image
-        raise ConfigError(
-            f"TEST.IM_SIZE ({cfg.TEST.IM_SIZE}) must be at least TRAIN.IM_SIZE "
-            f"({cfg.TRAIN.IM_SIZE}): evaluation resizes to TEST.IM_SIZE, then "
-            "center-crops TRAIN.IM_SIZE"
-        )
     for size in cfg.TEST.SIZES:
         if not isinstance(size, int) or size <= 0 or size % cfg.VIT.PATCH_SIZE:
             raise ConfigError(

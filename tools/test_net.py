@@ -16,6 +16,7 @@ table. The records and the table are also written to OUT_DIR/eval_<checkpoint>.j
 from pycls_fast.checkpoint.files import resolve_weights
 from pycls_fast.checkpoint.weights import check_weights
 from pycls_fast.config import check_launch, with_overrides
+from pycls_fast.datasets.images.transforms import build_transform
 from pycls_fast.datasets.loader import check_data
 from pycls_fast.engine.evaluation import (
     evaluate_model,
@@ -51,6 +52,7 @@ def main():
     )
     cfg = without_wandb(evaluation_out_dir(cfg_from_args(parser.parse_args())))
     check_launch(cfg)  # what to run is refused before what to read
+    build_transform(cfg, train=False)  # TEST.IM_SIZE against the crop
     check_data(cfg, ("test",))  # once, before any rank starts
     check_weights(cfg, train=False)  # TEST.WEIGHTS too
     for split in cfg.TEST.EXTRA_SPLITS:

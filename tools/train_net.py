@@ -45,6 +45,7 @@ def main():
     check_fp8_launch(cfg)
     # TRAIN.AUGMENT checked before OUT_DIR exists, on the host and on the device.
     build_transform(cfg, train=True)
+    build_transform(cfg, train=False)  # TEST.IM_SIZE against the crop
     DeviceBatchTransform(cfg, "cpu")
     check_data(cfg, ("train", "test"))  # once, before any rank starts
     check_weights(cfg, train=True)  # TRAIN.WEIGHTS too

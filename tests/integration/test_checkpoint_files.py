@@ -86,7 +86,8 @@ def test_train_and_test_refuse_a_planted_checkpoint(digits, tmp_path):
         [
             sys.executable, os.path.join(ROOT, "tools", "test_net.py"),
             "--cfg", DIGITS_CFG, "DATA.PATH", digits, "OUT_DIR", str(tmp_path / "d"),
-            "TEST.IM_SIZE", "16", "VIT.NUM_LAYERS", "1", "VIT.HIDDEN_DIM", "32",
+            "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "VIT.NUM_LAYERS", "1",
+            "VIT.HIDDEN_DIM", "32",
             "VIT.MLP_DIM", "64", "TEST.WEIGHTS", str(evil),
         ],
         capture_output=True, text=True, timeout=600, cwd=ROOT,

@@ -52,6 +52,13 @@ def test_train_net_and_test_net(digits, tmp_path):
         (["DATA.PATH", "/nonexistent/data"], "/nonexistent/data"),
         (["TEST.WEIGHTS", "/nonexistent/w.pyth"], "checkpoint not found"),
         (["OUT_DIR", "/proc/nope"], "OUT_DIR /proc/nope is not writable"),
+        # A crop larger than the evaluation's resize: every test image would fail.
+        (
+            ["TRAIN.IM_SIZE", "24"],
+            "error: TEST.IM_SIZE (16) must be at least "
+            "TRAIN.IM_SIZE (24) to evaluate: images are resized to TEST.IM_SIZE, then "
+            "center-cropped to TRAIN.IM_SIZE",
+        ),
         # Checked once before the ranks start: one line, not one per rank.
         (
             ["NUM_GPUS", "2", "DATA.PATH", "/nonexistent/data"],

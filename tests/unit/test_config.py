@@ -305,10 +305,6 @@ def test_base_inheritance(tmp_path):
         (["TRAIN.LABEL_SMOOTHING", "1.5"], "TRAIN.LABEL_SMOOTHING must be in [0, 1)"),
         (["OPTIM.STEPS", "[5, 10]"], "OPTIM.STEPS must be [] or a list starting at 0"),
         (["OUT_DIR", ""], "OUT_DIR must be a folder, got ''"),
-        (
-            ["TRAIN.IM_SIZE", "224", "TEST.IM_SIZE", "192"],
-            "TEST.IM_SIZE (192) must be at least TRAIN.IM_SIZE (224)",
-        ),
         (["NUM_GPUS", "3"], "TRAIN.BATCH_SIZE (128) must be divisible by NUM_GPUS"),
         (["DATA.CROP_SCALE", "[0.5, 0.2]"], "DATA.CROP_SCALE must be [min, max]"),
         (["DATA.HFLIP", "1.5"], "DATA.HFLIP must be in [0, 1], got 1.5"),

@@ -302,6 +302,12 @@ class TestTransform:
     """Resize the shorter side to `resize_size`, center-crop `im_size` (pycls)."""
 
     def __init__(self, im_size: int, resize_size: int) -> None:
+        if resize_size < im_size:  # the crop would leave every image
+            raise ConfigError(
+                f"TEST.IM_SIZE ({resize_size}) must be at least TRAIN.IM_SIZE "
+                f"({im_size}) to evaluate: images are resized to TEST.IM_SIZE, "
+                "then center-cropped to TRAIN.IM_SIZE"
+            )
         self.out_size = (im_size, im_size)
         self.resize_size = resize_size
 

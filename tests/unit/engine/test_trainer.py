@@ -72,16 +72,17 @@ def test_trains_logs_and_checkpoints(digits, tmp_path):
 
 def test_iteration_period_ending_an_epoch_checkpoints_it(digits, tmp_path):
     # 11 iterations an epoch; no epoch checkpoint is due after the first: the
-    # iteration period still saves its last iteration (as the start of epoch 2).
+    # iteration period still saves its last iteration (the epoch's end, its record
+    # and evaluation, left to a resume from it).
     cfg = _cfg(
         digits, tmp_path, "OPTIM.MAX_EPOCH", "2", "TRAIN.CHECKPOINT_PERIOD", "5",
         "TRAIN.CHECKPOINT_ITER_PERIOD", "11",
     )  # fmt: skip
     train_model(cfg)
     names = [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path))]
-    assert names == ["model_epoch_0001.pyth", "model_epoch_0002.pyth"]
+    assert names == ["model_epoch_0001_iter_000011.pyth", "model_epoch_0002.pyth"]
     state = torch.load(tmp_path / "checkpoints" / names[0], weights_only=False)
-    assert (state["epoch"], state["iter"]) == (1, 0)
+    assert (state["epoch"], state["iter"]) == (0, 11)
 
 
 # "deit": fp32 with DeiT III's data pieces (simple random crop, 3-Augment, colour
