@@ -1259,6 +1259,15 @@ def ignored_keys() -> list[str]:
     ]
 
 
+def unknown_key(name: str) -> str | None:
+    """None when `name` is a dotted config key, else why not in words: "unknown
+    config key NAME" and the closest key, e.g. " (did you mean 'VIT.HIDDEN_DIM'?)"."""
+    known = _flat_keys(_DEFAULTS)
+    if name in known:
+        return None
+    return f"unknown config key {name}{_suggest(name, known)}"
+
+
 def _suggest(name: str, choices: Iterable[str]) -> str:
     choices = list(choices)
     if name.upper() in choices:  # keys are upper case: optim.base_lr
@@ -1319,8 +1328,7 @@ def _merge(cfg: CfgNode, src: Mapping, prefix: str = "") -> set[str]:
                 # An unknown section: name its first key, the closest real key to it.
                 k, v = next(iter(v.items()))
                 key = f"{key}.{k}"
-            where = _flat_keys(_DEFAULTS)
-            raise ConfigError(f"unknown config key {key}{_suggest(key, where)}")
+            raise ConfigError(unknown_key(key))
         if isinstance(cfg[k], CfgNode):
             if not isinstance(v, dict):
                 raise ConfigError(f"config key {key}: expected a section, got {v!r}")

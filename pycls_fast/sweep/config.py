@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from yacs.config import CfgNode
 
-from pycls_fast.config import _DEFAULTS, _flat_keys, _suggest, read_yaml, yaml_where
+from pycls_fast.config import read_yaml, unknown_key, yaml_where
 from pycls_fast.errors import ConfigError
 from pycls_fast.sweep import constraints
 from pycls_fast.sweep.samplers import load_sampler
@@ -195,12 +195,9 @@ def _check(raw: dict) -> None:
 def _check_metrics(metrics: list) -> None:
     """ANALYZE.METRICS must be training config keys (the error is plotted against
     each): a typo is refused with the closest key, as the config's errors do."""
-    known = _flat_keys(_DEFAULTS)
     for key in metrics:
-        if str(key) not in known:
-            raise ConfigError(
-                f"ANALYZE.METRICS: unknown config key {key}{_suggest(str(key), known)}"
-            )
+        if why := unknown_key(str(key)):
+            raise ConfigError(f"ANALYZE.METRICS: {why}")
 
 
 def sweep_dir(sweep: CfgNode) -> str:

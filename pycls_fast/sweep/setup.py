@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from yacs.config import CfgNode
 
-from pycls_fast.config import load_cfg, with_overrides
+from pycls_fast.config import load_cfg, unknown_key, with_overrides
 from pycls_fast.errors import ConfigError, UserError
 from pycls_fast.models import complexity
 from pycls_fast.sweep import constraints, samplers
@@ -75,6 +75,9 @@ def sample_forks(sweep: CfgNode) -> list[dict[str, Any]]:
     "cfg": CfgNode}], without writing anything. Raises UserError when fewer than
     NUM_CONFIGS samples are valid after NUM_SAMPLES tries."""
     setup = sweep.SETUP
+    for key in [*setup.SAMPLERS, *setup.DERIVED]:  # a typo, not a refused sample
+        if why := unknown_key(key):
+            raise ConfigError(f"SETUP.SAMPLERS / SETUP.DERIVED: {why}")
     base = base_cfg(sweep)
     grid = samplers.grid(setup.SAMPLERS)
     only_grid = all(s["TYPE"] == "grid_sampler" for s in setup.SAMPLERS.values())
@@ -100,8 +103,6 @@ def sample_forks(sweep: CfgNode) -> list[dict[str, Any]]:
             cx = complexity(cfg)
             why = constraints.violation(cfg, cx, cx_ranges, exprs)
         except ConfigError as e:
-            if "unknown config key" in str(e):  # a typo in the sweep, not a sample
-                raise ConfigError(f"SETUP.SAMPLERS / SETUP.DERIVED: {e}") from None
             why = f"invalid config: {e}"
         if why:
             refused[why] += 1
